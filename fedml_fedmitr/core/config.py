@@ -1,0 +1,278 @@
+"""Typed, validated configuration of the server methods (FedMITR and the baselines).
+
+Every hyperparameter lives in one dataclass, :class:`FedMITRConfig`, with its default and its
+accepted range. In a FedML YAML file these keys go in the ``fedmitr_args:`` section. A bad key or
+value raises :class:`ConfigError` naming the key and what was expected, before any work starts.
+
+Where a default is marked [choice] it is ours, not the paper's (FedMITR's hyperparameters are not
+public); see ``ALGORITHM.md`` of the project docs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+
+class ConfigError(ValueError):
+    """A configuration key has a bad value, or is unknown. The message names the key."""
+
+
+# Allowed values of the string options, in one place so validation and docs agree.
+CHOICES: Dict[str, Tuple[str, ...]] = {
+    "inversion": ("sparse", "dense"),
+    "distill_mode": ("token_relabel", "kd_full", "ce_foreground"),
+    "student_init": ("fedavg", "scratch", "pretrained"),
+    "ensemble_weighting": ("mean", "samples", "per_class"),
+    "ensemble_aggregate": ("mean", "median", "trimmed_mean"),
+    "ensemble_batched": ("auto", "vmap", "loop"),
+    "distill_optimizer": ("adamw", "sgd"),
+}
+
+
+@dataclass
+class FedMITRConfig:
+    """All server-side hyperparameters. Field comments give meaning and default rationale."""
+
+    # ---- pool of synthetic images (stage 1) ----
+    num_synthetic: int = 640            # images in the synthetic pool
+    synthesis_batch_size: int = 64      # images optimised together (labels balanced over classes)
+    inversion_iters: int = 200          # Adam steps per synthesis batch (SMI: 4000 at 224 px)
+    inversion_lr: float = 0.25          # Adam lr on pixels (SMI)
+    inversion_betas: Tuple[float, float] = (0.5, 0.99)
+    tv_weight: float = 1e-4             # weight of the l2 total-variation prior (SMI / DeepInversion)
+    jitter: int = -1                    # max roll in pixels; -1 = max(1, side // 8)
+    flip: bool = True                   # random horizontal flip during inversion
+    inversion: str = "sparse"           # "sparse" (FedMITR) or "dense" (no pruning; ablation)
+    prune_at: Optional[List[int]] = None  # explicit prune iterations; overrides prune_fractions
+    prune_fractions: List[float] = field(default_factory=lambda: [0.0125, 0.025, 0.05, 0.075])
+    prune_ratio: float = 0.3            # fraction of kept patches dropped at each prune point (SMI)
+
+    # ---- token relabel distillation (stage 2) ----
+    distill_mode: str = "token_relabel"  # or "kd_full" (plain KD, full images), "ce_foreground"
+    distill_epochs: int = 40
+    distill_batch_size: int = 64
+    distill_optimizer: str = "adamw"
+    distill_lr: float = 1e-3
+    distill_weight_decay: float = 0.05
+    relabel_weight: float = 1.0         # lambda of the background KL term [choice]
+    kd_temperature: float = 1.0         # T of the background KL (and of kd_full) [choice]
+    distill_augment: bool = True        # flip and whole-patch shift of image and mask together
+    student_init: str = "fedavg"        # "fedavg" of the clients, "scratch", or "pretrained"
+
+    # ---- ensemble of client models ----
+    ensemble_weighting: str = "mean"    # "mean", "samples" (by sample count), "per_class"
+    ensemble_aggregate: str = "mean"    # "mean", or the robust "median" / "trimmed_mean"
+    trim_fraction: float = 0.2          # fraction trimmed at each end for "trimmed_mean"
+    ensemble_batched: str = "auto"      # "vmap", "loop", or "auto" (vmap on GPU, loop on CPU)
+    drop_degenerate_clients: bool = False  # robust: drop clients that disagree with the rest
+    degenerate_agreement: float = 0.2   # min. agreement with the ensemble to keep a client
+
+    # ---- DENSE / Co-Boosting / FedFTG generator baselines ----
+    gen_nz: int = 256                   # generator latent size
+    gen_lr: float = 1e-3
+    gen_steps: int = 30                 # generator steps per epoch
+    gen_batch_size: int = 64
+    gen_epochs: int = 40                # synthesis/KD epochs (DENSE: 200)
+    gen_adv_weight: float = 1.0         # adversarial (disagreement) term
+    gen_kd_steps: int = 0               # KD steps per epoch over the pool; 0 = one pass
+    baseline_kd_temperature: float = 20.0  # DENSE / DeepInversion KD temperature
+    coboost_temperature: float = 4.0    # Co-Boosting KD temperature
+    coboost_eps: float = 8.0 / 255.0    # Co-Boosting input perturbation
+    coboost_mu: float = 0.01            # Co-Boosting ensemble weight step
+    fedftg_div_weight: float = 1.0      # FedFTG diversity term
+
+    # ---- run control ----
+    seed: Optional[int] = None          # None: take the run's random_seed
+    eval_every: int = 0                 # evaluate the student every N distillation epochs (0: end only)
+    output_dir: str = "./fedmitr_output"
+    resume: bool = False
+    progress: bool = True
+    tensorboard: bool = False
+    save_images: bool = True
+    client_timeout_s: float = 0.0       # 0: wait for every client forever (FedML's behaviour)
+    min_clients: int = 1                # fewest uploads the server proceeds with after a timeout
+
+    # ------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: Optional[Mapping[str, Any]], where: str = "fedmitr_args") -> "FedMITRConfig":
+        """Build and validate a config from a mapping; unknown keys raise :class:`ConfigError`."""
+        values = dict(values or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(k for k in values if k not in known)
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown key(s) {unknown}; accepted keys are: {', '.join(sorted(known))}")
+        cfg = cls()
+        for key, value in values.items():
+            setattr(cfg, key, _coerce(key, value, getattr(cfg, key), where))
+        cfg.validate(where)
+        return cfg
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["inversion_betas"] = list(self.inversion_betas)
+        return out
+
+    def replace(self, **changes: Any) -> "FedMITRConfig":
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg
+
+    # ------------------------------------------------------------------
+    def validate(self, where: str = "fedmitr_args") -> "FedMITRConfig":
+        def bad(key: str, expected: str) -> None:
+            raise ConfigError(f"{where}.{key} = {getattr(self, key)!r} is invalid: expected {expected}")
+
+        for key, options in CHOICES.items():
+            if getattr(self, key) not in options:
+                bad(key, "one of " + ", ".join(repr(o) for o in options))
+        positive_ints = ["num_synthetic", "synthesis_batch_size", "inversion_iters", "distill_batch_size",
+                         "gen_nz", "gen_steps", "gen_batch_size", "gen_epochs", "min_clients"]
+        for key in positive_ints:
+            if getattr(self, key) < 1:
+                bad(key, "an integer >= 1")
+        for key in ["distill_epochs", "eval_every", "gen_kd_steps"]:
+            if getattr(self, key) < 0:
+                bad(key, "an integer >= 0")
+        for key in ["inversion_lr", "distill_lr", "gen_lr", "kd_temperature",
+                    "baseline_kd_temperature", "coboost_temperature"]:
+            v = getattr(self, key)
+            if not (v > 0 and math.isfinite(v)):
+                bad(key, "a finite number > 0")
+        for key in ["tv_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight",
+                    "coboost_eps", "coboost_mu", "fedftg_div_weight", "client_timeout_s"]:
+            v = getattr(self, key)
+            if not (v >= 0 and math.isfinite(v)):
+                bad(key, "a finite number >= 0")
+        if not (0.0 < self.prune_ratio < 1.0):
+            bad("prune_ratio", "a number in (0, 1)")
+        if not (0.0 <= self.trim_fraction < 0.5):
+            bad("trim_fraction", "a number in [0, 0.5)")
+        if not (0.0 <= self.degenerate_agreement <= 1.0):
+            bad("degenerate_agreement", "a number in [0, 1]")
+        b = self.inversion_betas
+        if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
+            bad("inversion_betas", "two numbers in [0, 1)")
+        if self.jitter < -1:
+            bad("jitter", "-1 (automatic) or a number of pixels >= 0")
+        if self.prune_at is None:
+            if not self.prune_fractions or not all(0.0 < f < 1.0 for f in self.prune_fractions):
+                bad("prune_fractions", "a non-empty list of fractions of inversion_iters in (0, 1)")
+        self.prune_iterations(where)  # raises if the resolved schedule is not usable
+        return self
+
+    def prune_iterations(self, where: str = "fedmitr_args") -> List[int]:
+        """The iterations at which sparse inversion prunes: strictly increasing, in [1, iters)."""
+        if self.inversion == "dense":
+            return []
+        if self.prune_at is not None:
+            points, key = [int(p) for p in self.prune_at], "prune_at"
+        else:
+            points = [max(1, int(round(f * self.inversion_iters))) for f in self.prune_fractions]
+            key = "prune_fractions"
+        ok = bool(points) and all(1 <= p < self.inversion_iters for p in points) and all(
+            a < b for a, b in zip(points, points[1:]))
+        if not ok:
+            raise ConfigError(
+                f"{where}.{key} gives prune iterations {points} for inversion_iters="
+                f"{self.inversion_iters}: expected a non-empty, strictly increasing list of "
+                f"iterations in [1, {self.inversion_iters - 1}] (spread the fractions, e.g. "
+                f"[0.1, 0.2, 0.35, 0.5], or raise inversion_iters)")
+        return points
+
+    def keep_counts(self, num_patches: int) -> List[int]:
+        """Number of patches kept after each prune point: max(1, round(N * (1 - r) ** j))."""
+        return [max(1, int(round(num_patches * (1.0 - self.prune_ratio) ** (j + 1))))
+                for j in range(len(self.prune_iterations()))]
+
+    def keep_fraction(self, num_patches: int) -> float:
+        """Fraction of patches in the foreground set after the whole sparse schedule."""
+        counts = self.keep_counts(num_patches)
+        if self.inversion == "dense":
+            # dense inversion still needs a foreground/background split for the relabel loss:
+            # use the keep fraction the sparse schedule would reach
+            counts = self.replace(inversion="sparse").keep_counts(num_patches)
+        return counts[-1] / num_patches
+
+
+def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
+    """Convert a YAML value to the type of the field's default, or raise ConfigError."""
+    def fail(expected: str) -> None:
+        raise ConfigError(f"{where}.{key} = {value!r} is invalid: expected {expected}")
+
+    if key == "prune_at":
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)) or not all(_is_int(v) for v in value):
+            fail("a list of integers (or null)")
+        return [int(v) for v in value]
+    if key == "prune_fractions":
+        if not isinstance(value, (list, tuple)) or not all(_is_number(v) for v in value):
+            fail("a list of numbers")
+        return [float(v) for v in value]
+    if key == "inversion_betas":
+        if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(_is_number(v) for v in value):
+            fail("a list of two numbers")
+        return (float(value[0]), float(value[1]))
+    if key == "seed":
+        if value is None:
+            return None
+        if not _is_int(value):
+            fail("an integer or null")
+        return int(value)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            fail("true or false")
+        return value
+    if isinstance(default, int):
+        if not _is_int(value):
+            fail("an integer")
+        return int(value)
+    if isinstance(default, float):
+        if not _is_number(value):
+            fail("a number")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            fail("a string")
+        return value
+    return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class ClientTrainConfig:
+    """Local supervised training of one client's ViT (FedML's train_args map onto this)."""
+
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 1e-3
+    optimizer: str = "adamw"            # "adamw", "adam" or "sgd"
+    weight_decay: float = 0.05
+    momentum: float = 0.9
+    augment: bool = True                # random crop (padding) + horizontal flip
+    flip: bool = True                   # set False for digits, where a mirror changes meaning
+    label_smoothing: float = 0.0
+
+    def validate(self, where: str = "train_args") -> "ClientTrainConfig":
+        if self.epochs < 1:
+            raise ConfigError(f"{where}.epochs = {self.epochs!r} is invalid: expected an integer >= 1")
+        if self.batch_size < 1:
+            raise ConfigError(f"{where}.batch_size = {self.batch_size!r} is invalid: expected an integer >= 1")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"{where}.learning_rate = {self.lr!r} is invalid: expected a number > 0")
+        if self.optimizer not in ("adamw", "adam", "sgd"):
+            raise ConfigError(
+                f"{where}.client_optimizer = {self.optimizer!r} is invalid: expected 'adamw', 'adam' or 'sgd'")
+        if self.weight_decay < 0:
+            raise ConfigError(f"{where}.weight_decay = {self.weight_decay!r} is invalid: expected >= 0")
+        return self

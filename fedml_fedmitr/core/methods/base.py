@@ -1,0 +1,186 @@
+"""One interface for "server methods": turn the uploaded client models into a global model.
+
+FedMITR and every one-shot baseline implement :class:`ServerMethod`. The life cycle of one
+(one-shot) round on the server, in the order :meth:`ServerMethod.run` goes through it:
+
+1. :meth:`ServerMethod.prepare` receives the uploads (weights, sample counts, label counts) and the
+   :class:`ServerContext`; it builds the ensemble of client models and the student.
+2. :meth:`ServerMethod.synthesize` makes the synthetic data the method distils on (none for
+   FedAvg), checkpointing under ``ctx.state_dir`` as it goes.
+3. :meth:`ServerMethod.distill` trains the student on it and returns the global model.
+4. :meth:`ServerMethod.evaluate` measures the global model and the ensemble on ``ctx.eval_loader``.
+
+A runtime (the FedML adapter, the benchmark, a test) only calls ``run()``. The arithmetic of each
+stage lives in the core modules (``inversion``, ``distill``, ``ensemble``, ``evaluate``), tested
+alone; a method only wires them.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..config import FedMITRConfig
+
+log = logging.getLogger("fedml_fedmitr")
+
+
+@dataclass
+class ClientUpload:
+    """What one client sends once: its trained weights and what it trained on."""
+
+    client_id: int
+    state_dict: Dict[str, torch.Tensor]
+    num_samples: int
+    label_counts: List[int]             # samples per class, length num_classes
+
+    def to_payload(self) -> Dict[str, Any]:
+        """A plain dict (picklable by any FedML backend)."""
+        return {"client_id": int(self.client_id), "state_dict": self.state_dict,
+                "num_samples": int(self.num_samples), "label_counts": [int(c) for c in self.label_counts]}
+
+    @classmethod
+    def from_payload(cls, payload: Dict[str, Any]) -> "ClientUpload":
+        return cls(client_id=int(payload["client_id"]), state_dict=payload["state_dict"],
+                   num_samples=int(payload["num_samples"]),
+                   label_counts=[int(c) for c in payload["label_counts"]])
+
+
+class Callbacks:
+    """Progress and metric reporting. The defaults log; subclass to send them elsewhere.
+
+    ``progress(stage, total)`` returns an object with ``update(n)``, ``set_postfix(**kw)`` and
+    ``close()`` (a tqdm bar by default, silent when progress is off).
+    """
+
+    def __init__(self, progress: bool = True):
+        self.show_progress = progress
+
+    def progress(self, stage: str, total: int):
+        from tqdm.auto import tqdm
+        import sys
+        disable = (not self.show_progress) or not getattr(sys.__stderr__, "isatty", lambda: False)()
+        return tqdm(total=total, desc=stage, disable=disable, file=sys.__stderr__, leave=False,
+                    dynamic_ncols=True)
+
+    def metric(self, name: str, value: float, step: int) -> None:
+        """A scalar over time (for example ``inversion/loss`` at iteration ``step``)."""
+
+    def log(self, message: str) -> None:
+        log.info(message)
+
+    def images(self, name: str, images: torch.Tensor, labels: torch.Tensor,
+               masks: Optional[torch.Tensor]) -> None:
+        """A finished synthesis batch (normalised images, labels, keep masks or None)."""
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class ServerContext:
+    """Everything a server method may use besides the uploads. The server has no training data."""
+
+    model_fn: Callable[[], nn.Module]   # builds a fresh model of the clients' architecture
+    num_classes: int
+    input_shape: Sequence[int]          # (C, H, W) of the model's input
+    mean: Sequence[float]               # per-channel normalisation of the model's input
+    std: Sequence[float]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    eval_loader: Optional[Any] = None   # a test DataLoader of (x, y), or None
+    state_dir: Optional[Path] = None    # where checkpoints go; None: no checkpoints
+    callbacks: Callbacks = field(default_factory=Callbacks)
+    seed: int = 0
+    pretrained_state: Optional[Dict[str, torch.Tensor]] = None  # for student_init: pretrained
+
+
+@dataclass
+class ServerResult:
+    """The global model and what the run measured (accuracies, timings, counts)."""
+
+    model: nn.Module
+    metrics: Dict[str, Any]
+
+
+class ServerMethod(abc.ABC):
+    """Base class of FedMITR and the baselines. ``name`` is the ``federated_optimizer`` value."""
+
+    name: str = "?"
+    needs_synthesis: bool = True
+
+    def __init__(self, config: Optional[FedMITRConfig] = None):
+        self.config = (config or FedMITRConfig()).validate()
+        self.timings: Dict[str, float] = {}
+
+    # ---- life cycle ----
+    def run(self, uploads: Sequence[ClientUpload], ctx: ServerContext) -> ServerResult:
+        """Run the whole server side of the one-shot round. Returns the global model and metrics."""
+        start = time.perf_counter()
+        torch.manual_seed(ctx.seed)
+        self.prepare(uploads, ctx)
+        t = time.perf_counter()
+        pool = self.synthesize(ctx)
+        self.timings["synthesis_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        model = self.distill(pool, ctx)
+        self.timings["distill_s"] = time.perf_counter() - t
+        metrics = self.evaluate(model, ctx)
+        metrics["num_synthetic"] = int(self.num_synthetic(pool))
+        n_images = metrics["num_synthetic"]
+        metrics["images_per_s"] = (n_images / self.timings["synthesis_s"]
+                                   if n_images and self.timings["synthesis_s"] > 0 else 0.0)
+        self.timings["server_total_s"] = time.perf_counter() - start
+        metrics["timings"] = dict(self.timings)
+        metrics["method"] = self.name
+        return ServerResult(model=model, metrics=metrics)
+
+    def prepare(self, uploads: Sequence[ClientUpload], ctx: ServerContext) -> None:
+        """Receive the uploads: build ``self.ensemble`` and ``self.student``."""
+        from ..ensemble import Ensemble
+        from ..models import fedavg_state_dict, load_state_checked
+
+        if not uploads:
+            raise ValueError("no client uploads: the server needs at least one client model")
+        self.uploads = list(uploads)
+        self.ensemble = Ensemble.from_uploads(self.uploads, ctx.model_fn, ctx.num_classes, self.config,
+                                              ctx.device)
+        student = ctx.model_fn()
+        init = self.config.student_init
+        if init == "fedavg":
+            load_state_checked(student, fedavg_state_dict(self.uploads), "FedAvg of the client models")
+        elif init == "pretrained":
+            if ctx.pretrained_state is None:
+                raise ValueError("fedmitr_args.student_init = 'pretrained' but no pretrained weights "
+                                 "were given (model_args.pretrained / pretrained_path)")
+            load_state_checked(student, ctx.pretrained_state, "pretrained weights")
+        self.student = student.to(ctx.device)
+
+    @abc.abstractmethod
+    def synthesize(self, ctx: ServerContext) -> Any:
+        """Make the synthetic data to distil on; returns a method-specific pool (or None)."""
+
+    @abc.abstractmethod
+    def distill(self, pool: Any, ctx: ServerContext) -> nn.Module:
+        """Train ``self.student`` on ``pool``; return the global model."""
+
+    def evaluate(self, model: nn.Module, ctx: ServerContext) -> Dict[str, Any]:
+        """Accuracy of the global model and of the ensemble on ``ctx.eval_loader`` (if any)."""
+        from ..evaluate import evaluate_model, evaluate_ensemble
+
+        if ctx.eval_loader is None:
+            return {}
+        res = evaluate_model(model, ctx.eval_loader, ctx.device, ctx.num_classes)
+        ens = evaluate_ensemble(self.ensemble, ctx.eval_loader, ctx.device, ctx.num_classes)
+        return {"test_acc": res["acc"], "test_loss": res["loss"],
+                "per_class_acc": res["per_class_acc"],
+                "ensemble_acc": ens["acc"], "ensemble_loss": ens["loss"],
+                "ensemble_per_class_acc": ens["per_class_acc"]}
+
+    def num_synthetic(self, pool: Any) -> int:
+        return 0 if pool is None else len(pool)

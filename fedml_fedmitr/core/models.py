@@ -1,0 +1,249 @@
+"""ViT models from timm, the token-subset forward, last-block attention, and weight averaging.
+
+Only class-token ViTs (timm ``VisionTransformer`` and subclasses such as DeiT, with
+``global_pool='token'``) are accepted: FedMITR reads the CLS-to-patch attention and runs the model
+on subsets of patch tokens.
+
+Small presets for CPU-sized images are registered in timm's own model registry, so
+``timm.create_model('fedmitr_vit_micro', img_size=16)`` works once this module is imported.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+import timm
+from timm.models import register_model
+from timm.models.vision_transformer import VisionTransformer
+
+
+class ModelError(ValueError):
+    """A model that FedMITR cannot use, or weights that do not fit the model."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: tiny ViTs that train on 2 CPU cores for 8x8 .. 32x32 images (registered in timm).
+# ---------------------------------------------------------------------------------------------
+PRESETS: Dict[str, Dict] = {
+    # 0.45M parameters: the calibration model (16 tokens at 16x16 with patch 4)
+    "fedmitr_vit_micro": dict(embed_dim=96, depth=4, num_heads=3, mlp_ratio=2.0),
+    # 1.2M parameters
+    "fedmitr_vit_tiny": dict(embed_dim=128, depth=6, num_heads=4, mlp_ratio=2.0),
+    # 2.7M parameters: 32x32 images on a GPU
+    "fedmitr_vit_small": dict(embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0),
+}
+
+
+def _preset_builder(name: str):
+    def build(pretrained: bool = False, **kwargs) -> VisionTransformer:
+        if pretrained:
+            raise ModelError(f"model {name!r} has no published weights: use pretrained_path "
+                             "(a local checkpoint) instead")
+        args = dict(img_size=16, patch_size=4, in_chans=3, num_classes=10, class_token=True,
+                    global_pool="token")
+        args.update(PRESETS[name])
+        args.update(kwargs)
+        return VisionTransformer(**args)
+    build.__name__ = name
+    build.__module__ = __name__
+    return build
+
+
+for _name in PRESETS:
+    register_model(_preset_builder(_name))
+
+
+def create_vit(name: str, img_size: int, num_classes: int, in_chans: int = 3,
+               patch_size: Optional[int] = None, pretrained: bool = False,
+               pretrained_path: Optional[str] = None, **kwargs) -> VisionTransformer:
+    """Build a class-token ViT by timm name with the given input and head sizes.
+
+    ``pretrained=True`` takes timm's published weights (needs network); ``pretrained_path`` loads a
+    local checkpoint file through timm's own loader (head and position embeddings adapted).
+    Any model that is not a class-token ViT raises :class:`ModelError`.
+    """
+    if not isinstance(name, str) or not timm.is_model(name):
+        raise ModelError(f"model {name!r} is not a timm model name (e.g. 'fedmitr_vit_micro', "
+                         f"'vit_tiny_patch16_224', 'deit_tiny_patch16_224')")
+    args = dict(img_size=img_size, num_classes=num_classes, in_chans=in_chans, global_pool="token")
+    if patch_size is not None:
+        args["patch_size"] = patch_size
+    args.update(kwargs)
+    if pretrained_path:
+        path = Path(pretrained_path)
+        if not path.is_file():
+            raise ModelError(f"pretrained_path {str(path)!r} does not exist or is not a file")
+        args["pretrained_cfg_overlay"] = dict(file=str(path))
+        pretrained = True
+    try:
+        model = timm.create_model(name, pretrained=pretrained, **args)
+    except TypeError as exc:
+        raise ModelError(f"model {name!r} cannot be built as a class-token ViT with {args}: {exc}") from exc
+    check_vit(model, name)
+    return model
+
+
+def check_vit(model: nn.Module, name: Optional[str] = None) -> VisionTransformer:
+    """Raise :class:`ModelError` unless ``model`` is a class-token timm ViT; return it."""
+    what = name or type(model).__name__
+    if not isinstance(model, VisionTransformer):
+        raise ModelError(f"model {what!r} ({type(model).__name__}) is not a timm VisionTransformer: "
+                         "FedMITR needs a class-token ViT (timm VisionTransformer / DeiT)")
+    if getattr(model, "cls_token", None) is None or getattr(model, "global_pool", None) != "token":
+        raise ModelError(f"model {what!r} must have a class token and global_pool='token' "
+                         f"(has global_pool={getattr(model, 'global_pool', None)!r})")
+    if getattr(model, "attn_pool", None) is not None:
+        raise ModelError(f"model {what!r} uses attention pooling; FedMITR needs CLS-token pooling")
+    return model
+
+
+def num_patches(model: VisionTransformer) -> int:
+    return int(model.patch_embed.num_patches)
+
+
+def grid_size(model: VisionTransformer) -> Tuple[int, int]:
+    return tuple(int(g) for g in model.patch_embed.grid_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-subset forward and last-block attention
+# ---------------------------------------------------------------------------------------------
+def embed_tokens(model: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
+    """Patch embedding of the full image, position embeddings (with prefix tokens), norm_pre."""
+    tokens = model.patch_embed(x)
+    tokens = model._pos_embed(tokens)
+    tokens = model.norm_pre(tokens)
+    return tokens
+
+
+def gather_tokens(tokens: torch.Tensor, keep_idx: Optional[torch.Tensor], num_prefix: int) -> torch.Tensor:
+    """Every prefix token plus the patch tokens ``keep_idx`` (B, k) indexes (0-based patch ids)."""
+    if keep_idx is None:
+        return tokens
+    prefix, patches = tokens[:, :num_prefix], tokens[:, num_prefix:]
+    if keep_idx.dim() == 1:
+        keep_idx = keep_idx.unsqueeze(0).expand(tokens.shape[0], -1)
+    kept = torch.gather(patches, 1, keep_idx.unsqueeze(-1).expand(-1, -1, patches.shape[-1]))
+    return torch.cat([prefix, kept], dim=1)
+
+
+@contextlib.contextmanager
+def last_block_attention(model: VisionTransformer):
+    """Capture the softmaxed attention (B, heads, T, T) of the last block's timm ``Attention``.
+
+    timm computes attention fused (``scaled_dot_product_attention``) by default, which exposes no
+    map; inside this context the last block takes its non-fused path and a hook on its
+    ``attn_drop`` records the map. Yields a list that holds the captured tensor after a forward.
+    """
+    attn = model.blocks[-1].attn
+    captured: List[torch.Tensor] = []
+    old = getattr(attn, "fused_attn", False)
+    attn.fused_attn = False
+    handle = attn.attn_drop.register_forward_hook(lambda _m, inp, _out: captured.append(inp[0]))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+        attn.fused_attn = old
+
+
+def forward_tokens(model: VisionTransformer, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None,
+                   return_attn: bool = False):
+    """Logits of ``model`` on images ``x`` seeing only the patches ``keep_idx`` (B, k) (all if None).
+
+    Dropped tokens never enter a block: the blocks run on ``num_prefix_tokens + k`` tokens. With
+    ``return_attn`` also returns the last block's CLS-to-patch attention, mean over heads, (B, k).
+    """
+    tokens = gather_tokens(embed_tokens(model, x), keep_idx, model.num_prefix_tokens)
+    if not return_attn:
+        return model.forward_head(model.norm(model.blocks(tokens)))
+    with last_block_attention(model) as captured:
+        feats = model.blocks(tokens)
+    logits = model.forward_head(model.norm(feats))
+    attn_map = captured[-1]  # (B, heads, T, T)
+    cls_to_patch = attn_map[:, :, 0, model.num_prefix_tokens:].mean(dim=1)
+    return logits, cls_to_patch
+
+
+class TokenSubsetViT(nn.Module):
+    """A module whose ``forward(x, keep_idx)`` is :func:`forward_tokens` (for functional_call/vmap)."""
+
+    def __init__(self, vit: VisionTransformer):
+        super().__init__()
+        self.vit = vit
+
+    def forward(self, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None, return_attn: bool = False):
+        return forward_tokens(self.vit, x, keep_idx, return_attn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+def load_state_checked(model: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> nn.Module:
+    """Load ``state`` into ``model`` strictly; a missing key or shape mismatch raises ModelError."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    extra = sorted(set(state) - set(own))
+    if missing or extra:
+        raise ModelError(f"{what} does not fit the model: missing keys {missing[:5]}, "
+                         f"unexpected keys {extra[:5]} (is it the same architecture?)")
+    for key, value in state.items():
+        if tuple(value.shape) != tuple(own[key].shape):
+            raise ModelError(f"{what}: parameter {key!r} has shape {tuple(value.shape)}, the server's "
+                             f"model expects {tuple(own[key].shape)} (another architecture?)")
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def check_finite(state: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise ModelError if any floating tensor of ``state`` holds NaN or Inf."""
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.is_floating_point() and not torch.isfinite(value).all():
+            raise ModelError(f"{what}: parameter {key!r} contains NaN or Inf")
+
+
+def average_state_dicts(states: Sequence[Mapping[str, torch.Tensor]],
+                        weights: Optional[Sequence[float]] = None) -> Dict[str, torch.Tensor]:
+    """Weighted average of floating tensors; other tensors are taken from the first state."""
+    if not states:
+        raise ValueError("no state dicts to average")
+    w = torch.tensor([1.0] * len(states) if weights is None else [float(v) for v in weights],
+                     dtype=torch.float64)
+    if (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"averaging weights must be >= 0 with a positive sum, got {w.tolist()}")
+    w = w / w.sum()
+    out: Dict[str, torch.Tensor] = {}
+    for key, first in states[0].items():
+        if torch.is_tensor(first) and first.is_floating_point():
+            acc = torch.zeros_like(first, dtype=torch.float64)
+            for wi, st in zip(w, states):
+                acc += wi * st[key].detach().to(torch.float64).cpu()
+            out[key] = acc.to(first.dtype)
+        else:
+            out[key] = first.clone() if torch.is_tensor(first) else first
+    return out
+
+
+def fedavg_state_dict(uploads) -> Dict[str, torch.Tensor]:
+    """FedAvg of client uploads, weighted by their sample counts."""
+    return average_state_dicts([u.state_dict for u in uploads], [u.num_samples for u in uploads])
+
+
+def save_global_model(path, model: nn.Module, meta: Mapping) -> None:
+    """Save the global model as a plain state_dict plus what rebuilds it (see :func:`load_global_model`)."""
+    torch.save({"state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "meta": dict(meta)}, str(path))
+
+
+def load_global_model(path, map_location="cpu") -> VisionTransformer:
+    """Rebuild the model saved by :func:`save_global_model` (timm name and sizes from its meta)."""
+    blob = torch.load(str(path), map_location=map_location, weights_only=False)
+    meta = blob["meta"]
+    model = create_vit(meta["model"], img_size=meta["img_size"], num_classes=meta["num_classes"],
+                       in_chans=meta["in_chans"], patch_size=meta.get("patch_size"))
+    load_state_checked(model, blob["state_dict"], str(path))
+    return model.eval()
