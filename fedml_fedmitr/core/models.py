@@ -46,6 +46,8 @@ def _preset_builder(name: str):
         args = dict(img_size=16, patch_size=4, in_chans=3, num_classes=10, class_token=True,
                     global_pool="token")
         args.update(PRESETS[name])
+        for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # timm factory extras
+            kwargs.pop(key, None)
         args.update(kwargs)
         return VisionTransformer(**args)
     build.__name__ = name
@@ -73,17 +75,43 @@ def create_vit(name: str, img_size: int, num_classes: int, in_chans: int = 3,
     if patch_size is not None:
         args["patch_size"] = patch_size
     args.update(kwargs)
-    if pretrained_path:
-        path = Path(pretrained_path)
-        if not path.is_file():
-            raise ModelError(f"pretrained_path {str(path)!r} does not exist or is not a file")
-        args["pretrained_cfg_overlay"] = dict(file=str(path))
-        pretrained = True
+    if pretrained_path and pretrained:
+        raise ModelError("give either pretrained (timm's published weights) or pretrained_path, not both")
     try:
         model = timm.create_model(name, pretrained=pretrained, **args)
     except TypeError as exc:
         raise ModelError(f"model {name!r} cannot be built as a class-token ViT with {args}: {exc}") from exc
     check_vit(model, name)
+    if pretrained_path:
+        load_pretrained_file(model, pretrained_path)
+    return model
+
+
+def load_pretrained_file(model: VisionTransformer, path) -> VisionTransformer:
+    """Load a local checkpoint into ``model``: timm's ViT checkpoint filter resamples position and
+    patch embeddings to the model's sizes; a classifier head of another class count is skipped."""
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"pretrained_path {str(path)!r} does not exist or is not a file")
+    blob = torch.load(str(path), map_location="cpu", weights_only=False)
+    state = blob
+    for key in ("state_dict", "model", "state_dict_ema"):
+        if isinstance(state, dict) and key in state and isinstance(state[key], dict):
+            state = state[key]
+            break
+    if not isinstance(state, dict):
+        raise ModelError(f"pretrained_path {str(path)!r} holds no state_dict")
+    state = checkpoint_filter_fn(state, model)
+    own = model.state_dict()
+    head = {k for k in state if k.startswith("head.") and k in own and state[k].shape != own[k].shape}
+    state = {k: v for k, v in state.items() if k not in head}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("head.")]
+    if missing or unexpected:
+        raise ModelError(f"pretrained_path {str(path)!r} does not fit model: missing {missing[:5]}, "
+                         f"unexpected {list(unexpected)[:5]}")
     return model
 
 
@@ -240,10 +268,14 @@ def save_global_model(path, model: nn.Module, meta: Mapping) -> None:
 
 
 def load_global_model(path, map_location="cpu") -> VisionTransformer:
-    """Rebuild the model saved by :func:`save_global_model` (timm name and sizes from its meta)."""
+    """Rebuild the model saved by :func:`save_global_model`.
+
+    ``meta`` holds the timm name (``model``), ``img_size``, ``num_classes``, ``in_chans``,
+    ``patch_size`` and optional ``model_kwargs`` (other timm arguments, e.g. ``depth``)."""
     blob = torch.load(str(path), map_location=map_location, weights_only=False)
     meta = blob["meta"]
     model = create_vit(meta["model"], img_size=meta["img_size"], num_classes=meta["num_classes"],
-                       in_chans=meta["in_chans"], patch_size=meta.get("patch_size"))
+                       in_chans=meta["in_chans"], patch_size=meta.get("patch_size"),
+                       **dict(meta.get("model_kwargs") or {}))
     load_state_checked(model, blob["state_dict"], str(path))
     return model.eval()

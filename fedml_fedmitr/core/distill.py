@@ -1,0 +1,142 @@
+"""Stage 2: token relabel distillation of the global model on the synthetic pool.
+
+The loss (``token_relabel_loss``), for images x with label y and keep mask M:
+    X_h = CLS + tokens where M      (foreground)
+    X_l = CLS + tokens where not M  (background)
+    q   = softmax(E(X_l) / T)        the ensemble relabels the background tokens (no grad)
+    L   = CE(g(X_h), y) + lambda * T^2 * KL(q || softmax(g(X_l) / T))
+Ablations: ``kd_full`` (plain KD on full images, T^2 * KL(E(x) || g(x))) and ``ce_foreground``
+(CE on X_h only). The loop (:func:`distill_student`) is deterministic given the seed and can be
+resumed from any finished epoch.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .client import make_optimizer
+from .config import FedMITRConfig
+from .ensemble import Ensemble
+from .inversion import indices_of, remap_patches
+from .models import forward_tokens
+
+
+def kd_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 * KL(softmax(t / T) || softmax(s / T)), batch mean."""
+    t = temperature
+    return F.kl_div(F.log_softmax(student_logits / t, dim=1), F.softmax(teacher_logits / t, dim=1),
+                    reduction="batchmean") * (t * t)
+
+
+def background_targets(ensemble: Ensemble, x: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The relabel target of the background set: the ensemble's soft prediction on exactly X_l."""
+    with torch.no_grad():
+        return F.softmax(ensemble(x, indices_of(~mask)) / temperature, dim=1)
+
+
+def token_relabel_loss(student: nn.Module, ensemble: Ensemble, x: torch.Tensor, y: torch.Tensor,
+                       mask: torch.Tensor, cfg: FedMITRConfig) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """The distillation loss of one batch for ``cfg.distill_mode``; returns (loss, parts)."""
+    t = cfg.kd_temperature
+    if cfg.distill_mode == "kd_full":
+        with torch.no_grad():
+            teacher = ensemble(x)
+        kl = kd_kl(teacher, student(x), t)
+        return kl, {"kl": kl.item()}
+    ce = F.cross_entropy(forward_tokens(student, x, indices_of(mask)), y)
+    parts = {"ce": ce.item()}
+    loss = ce
+    if cfg.distill_mode == "token_relabel" and bool((~mask).any()):
+        idx_l = indices_of(~mask)
+        with torch.no_grad():
+            q_logits = ensemble(x, idx_l)
+        kl = kd_kl(q_logits, forward_tokens(student, x, idx_l), t)
+        loss = ce + cfg.relabel_weight * kl
+        parts["kl"] = kl.item()
+    return loss, parts
+
+
+def augment_with_mask(x: torch.Tensor, mask: torch.Tensor, grid: Tuple[int, int], patch: Tuple[int, int],
+                      gen: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Random whole-patch shift (roll, up to one patch) and h-flip of a batch, applied to the images
+    and their keep masks together so each mask still marks the same content."""
+    gh, gw = grid
+    sr = int(torch.randint(-1, 2, (1,), generator=gen)) if gh > 1 else 0
+    sc = int(torch.randint(-1, 2, (1,), generator=gen)) if gw > 1 else 0
+    flip = bool(torch.rand(1, generator=gen).item() < 0.5)
+    x = torch.roll(x, shifts=(sr * patch[0], sc * patch[1]), dims=(2, 3))
+    if flip:
+        x = x.flip(3)
+    ids = torch.arange(gh * gw, device=mask.device)
+    new_pos = remap_patches(ids, grid, (sr, sc), flip)          # old patch id -> new patch id
+    new_mask = torch.zeros_like(mask)
+    new_mask[:, new_pos] = mask[:, ids]
+    return x, new_mask
+
+
+def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor, labels: torch.Tensor,
+                    masks: torch.Tensor, cfg: FedMITRConfig, device, seed: int = 0, callbacks=None,
+                    eval_fn: Optional[Callable[[nn.Module], float]] = None,
+                    checkpoint: Optional[Callable[[dict], None]] = None,
+                    resume_state: Optional[dict] = None) -> nn.Module:
+    """Train ``student`` on the pool for ``cfg.distill_epochs`` epochs.
+
+    ``checkpoint(state)`` is called after every epoch with everything needed to continue
+    (``resume_state``; it holds live references, so serialise or copy it at once): student, optimizer and scheduler states and the next epoch. Batches and
+    augmentation of epoch e come from a generator seeded by (seed, e), so a resumed run is
+    bit-identical on CPU to one never interrupted.
+    """
+    student.to(device).train()
+    n = images.shape[0]
+    grid = tuple(int(g) for g in student.patch_embed.grid_size)
+    patch = tuple(int(p) for p in student.patch_embed.patch_size)
+    steps_per_epoch = (n + cfg.distill_batch_size - 1) // cfg.distill_batch_size
+    opt = make_optimizer(student.parameters(), cfg.distill_optimizer, cfg.distill_lr, cfg.distill_weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.distill_epochs * steps_per_epoch))
+    start_epoch = 0
+    if resume_state is not None:
+        student.load_state_dict(resume_state["student"])
+        opt.load_state_dict(resume_state["optimizer"])
+        sched.load_state_dict(resume_state["scheduler"])
+        start_epoch = int(resume_state["epoch"])
+    bar = callbacks.progress("distillation", cfg.distill_epochs) if callbacks else None
+    if bar is not None:
+        bar.update(start_epoch)
+    for epoch in range(start_epoch, cfg.distill_epochs):
+        gen = torch.Generator().manual_seed(int(seed) * 7_919 + epoch)
+        order = torch.randperm(n, generator=gen)
+        totals: Dict[str, float] = {}
+        for s in range(steps_per_epoch):
+            idx = order[s * cfg.distill_batch_size:(s + 1) * cfg.distill_batch_size]
+            x, y, m = images[idx].to(device), labels[idx].to(device), masks[idx].to(device)
+            if cfg.distill_augment:
+                x, m = augment_with_mask(x, m, grid, patch, gen)
+            loss, parts = token_relabel_loss(student, ensemble, x, y, m, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            for k, v in parts.items():
+                totals[k] = totals.get(k, 0.0) + v / steps_per_epoch
+            totals["loss"] = totals.get("loss", 0.0) + loss.item() / steps_per_epoch
+        if callbacks is not None:
+            for k, v in totals.items():
+                callbacks.metric(f"distill/{k}", v, epoch)
+        if eval_fn is not None and cfg.eval_every and ((epoch + 1) % cfg.eval_every == 0):
+            acc = eval_fn(student)
+            student.train()
+            if callbacks is not None:
+                callbacks.metric("distill/test_acc", acc, epoch)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{totals.get('loss', 0.0):.3f}")
+        if checkpoint is not None:
+            checkpoint({"student": student.state_dict(), "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(), "epoch": epoch + 1})
+    if bar is not None:
+        bar.close()
+    student.eval()
+    return student

@@ -1,0 +1,127 @@
+"""The ensemble of the K uploaded client models: ``E(x) = sum_k alpha[k, y] * f_k(x)[y]``.
+
+Weights ``alpha`` (K, C), each column summing to 1:
+- ``mean``: 1/K;  ``samples``: n_k / sum_j n_j;  ``per_class``: n[k, y] / sum_j n[j, y] (FedFTG).
+Robust aggregates (``median``, ``trimmed_mean``) ignore the weights and reduce over clients per
+logit. All K forwards run in one batched call (``torch.func.stack_module_state`` + ``vmap``) or a
+plain loop; ``auto`` picks vmap on GPU and the loop on CPU, where torch has no vmap rule for its
+attention kernel and the loop measured faster (see ``benchmarks/bench_speed.py``).
+"""
+from __future__ import annotations
+
+import copy
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, stack_module_state, vmap
+
+from .config import FedMITRConfig
+from .models import TokenSubsetViT, check_finite, check_vit, load_state_checked
+
+
+def client_weights(mode: str, num_samples: Sequence[int], label_counts: Sequence[Sequence[int]],
+                   num_classes: int) -> torch.Tensor:
+    """The (K, C) ensemble weights; every column sums to 1."""
+    k = len(num_samples)
+    if mode == "mean":
+        return torch.full((k, num_classes), 1.0 / k)
+    if mode == "samples":
+        n = torch.tensor([float(v) for v in num_samples])
+        return (n / n.sum()).unsqueeze(1).expand(k, num_classes).clone()
+    if mode == "per_class":
+        counts = torch.tensor([[float(c) for c in row] for row in label_counts])
+        if counts.shape != (k, num_classes):
+            raise ValueError(f"label_counts must be {k} x {num_classes}, got {tuple(counts.shape)}")
+        totals = counts.sum(0, keepdim=True)
+        uniform = torch.full_like(counts, 1.0 / k)
+        return torch.where(totals > 0, counts / totals.clamp_min(1.0), uniform)
+    raise ValueError(f"ensemble_weighting = {mode!r} is invalid: expected 'mean', 'samples' or 'per_class'")
+
+
+class Ensemble:
+    """K frozen client ViTs of one architecture, queried together (optionally on token subsets)."""
+
+    def __init__(self, models: List[nn.Module], weights: torch.Tensor, aggregate: str = "mean",
+                 trim_fraction: float = 0.2, batched: str = "auto", device=None):
+        if not models:
+            raise ValueError("an ensemble needs at least one model")
+        self.device = torch.device(device) if device is not None else next(models[0].parameters()).device
+        self.models = [check_vit(m).to(self.device).eval().requires_grad_(False) for m in models]
+        self.weights = weights.to(self.device)
+        self.aggregate = aggregate
+        self.trim_fraction = trim_fraction
+        if batched == "auto":
+            batched = "vmap" if self.device.type == "cuda" and len(models) > 1 else "loop"
+        self.batched = batched
+        self._stacked = None
+        if batched == "vmap":
+            self._build_stacked()
+
+    @classmethod
+    def from_uploads(cls, uploads, model_fn, num_classes: int, cfg: FedMITRConfig, device) -> "Ensemble":
+        """Rebuild each client's model from its upload (shape and NaN/Inf checked, naming the client)."""
+        models = []
+        for u in uploads:
+            check_finite(u.state_dict, f"client {u.client_id}'s uploaded model")
+            models.append(load_state_checked(model_fn(), u.state_dict, f"client {u.client_id}'s uploaded model"))
+        weights = client_weights(cfg.ensemble_weighting, [u.num_samples for u in uploads],
+                                 [u.label_counts for u in uploads], num_classes)
+        return cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device)
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def subset(self, keep: Sequence[int]) -> "Ensemble":
+        """An ensemble of the clients ``keep`` (weights renormalised per class)."""
+        keep = list(keep)
+        w = self.weights[keep]
+        w = w / w.sum(0, keepdim=True).clamp_min(1e-12)
+        return Ensemble([self.models[i] for i in keep], w, self.aggregate, self.trim_fraction,
+                        self.batched, self.device)
+
+    # ---- forwards ----
+    def _build_stacked(self) -> None:
+        wrappers = [TokenSubsetViT(m) for m in self.models]
+        params, buffers = stack_module_state(wrappers)
+        params = {k: v.detach() for k, v in params.items()}
+        base = copy.deepcopy(wrappers[0]).to("meta")
+        self._stacked = (base, params, buffers)
+
+    def client_logits(self, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None,
+                      return_attn: bool = False):
+        """Per-client logits (K, B, C) [and CLS-to-patch attention (K, B, k)] on the kept tokens."""
+        if self.batched == "vmap":
+            base, params, buffers = self._stacked
+
+            def one(p, b, inp):
+                return functional_call(base, (p, b), (inp, keep_idx, return_attn))
+
+            return vmap(one, in_dims=(0, 0, None))(params, buffers, x)
+        from .models import forward_tokens
+        outs = [forward_tokens(m, x, keep_idx, return_attn) for m in self.models]
+        if return_attn:
+            return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
+        return torch.stack(outs)
+
+    def combine(self, logits: torch.Tensor) -> torch.Tensor:
+        """Reduce per-client logits (K, B, C) to the ensemble's (B, C)."""
+        if self.aggregate == "mean":
+            return (logits * self.weights.unsqueeze(1)).sum(0)
+        if self.aggregate == "median":
+            return logits.median(dim=0).values
+        if self.aggregate == "trimmed_mean":
+            k = logits.shape[0]
+            cut = int(self.trim_fraction * k)
+            if k - 2 * cut < 1:
+                cut = (k - 1) // 2
+            ordered = logits.sort(dim=0).values
+            return ordered[cut:k - cut].mean(0)
+        raise ValueError(f"ensemble_aggregate = {self.aggregate!r} is invalid")
+
+    def __call__(self, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None, return_attn: bool = False):
+        """Ensemble logits (B, C) [and client-averaged CLS-to-patch attention (B, k)]."""
+        if return_attn:
+            logits, attn = self.client_logits(x, keep_idx, True)
+            return self.combine(logits), attn.mean(0)
+        return self.combine(self.client_logits(x, keep_idx))

@@ -1,0 +1,201 @@
+"""Stage 1: sparse model inversion of the client ensemble (dense inversion = pruning off).
+
+:class:`SparseModelInversion` is a synthesizer: ``synthesize(labels, batch_index)`` optimises one
+batch of images and returns a :class:`SyntheticBatch` (images, labels, keep masks). The pool it
+fills, :class:`SyntheticPool`, is consumed by the distillation loop (``distill.py``).
+
+Per batch (ALGORITHM.md, stage 1): x ~ N(0, 1) in normalised pixel space, Adam on x; at each prune
+point the patches are ranked by the ensemble's last-block CLS-to-patch attention (un-augmented
+forward on the kept tokens) and the low-attention ones leave the forward pass and are halted: their
+pixels stay bit-identical to the end. Loss: CE(E(jitter(x) on kept tokens), y) + tv * TV_l2(x).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .config import FedMITRConfig
+from .ensemble import Ensemble
+
+
+@dataclass
+class SyntheticBatch:
+    images: torch.Tensor   # (B, C, H, W) in normalised pixel space
+    labels: torch.Tensor   # (B,) synthesis targets
+    masks: torch.Tensor    # (B, N) bool: True = kept (foreground) patch
+
+
+class SyntheticPool:
+    """The synthetic images made so far, with their labels and keep masks."""
+
+    def __init__(self) -> None:
+        self.batches: List[SyntheticBatch] = []
+
+    def add(self, batch: SyntheticBatch) -> None:
+        self.batches.append(SyntheticBatch(batch.images.detach().cpu(), batch.labels.detach().cpu(),
+                                           batch.masks.detach().cpu()))
+
+    def __len__(self) -> int:
+        return sum(len(b.labels) for b in self.batches)
+
+    def tensors(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.batches:
+            raise ValueError("the synthetic pool is empty")
+        return (torch.cat([b.images for b in self.batches]), torch.cat([b.labels for b in self.batches]),
+                torch.cat([b.masks for b in self.batches]))
+
+    def state(self) -> dict:
+        return {"batches": [(b.images, b.labels, b.masks) for b in self.batches]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "SyntheticPool":
+        pool = cls()
+        pool.batches = [SyntheticBatch(*t) for t in state["batches"]]
+        return pool
+
+
+def tv_l2(x: torch.Tensor) -> torch.Tensor:
+    """l2 total variation: sum of the Frobenius norms of the four directional differences."""
+    d1 = x[:, :, :, :-1] - x[:, :, :, 1:]
+    d2 = x[:, :, :-1, :] - x[:, :, 1:, :]
+    d3 = x[:, :, 1:, :-1] - x[:, :, :-1, 1:]
+    d4 = x[:, :, :-1, :-1] - x[:, :, 1:, 1:]
+    return torch.norm(d1) + torch.norm(d2) + torch.norm(d3) + torch.norm(d4)
+
+
+def balanced_labels(batch_size: int, num_classes: int, batch_index: int) -> torch.Tensor:
+    """Labels cycling over the classes, continuing from batch to batch so the pool stays balanced."""
+    start = batch_index * batch_size
+    return (torch.arange(start, start + batch_size) % num_classes).long()
+
+
+def patch_mask_to_pixels(mask: torch.Tensor, grid: Tuple[int, int], patch: Tuple[int, int],
+                         image_hw: Tuple[int, int]) -> torch.Tensor:
+    """(B, N) patch mask -> (B, 1, H, W) pixel mask (pixels outside the patch grid: False)."""
+    b = mask.shape[0]
+    gh, gw = grid
+    m = mask.view(b, 1, gh, gw).float()
+    m = m.repeat_interleave(patch[0], dim=2).repeat_interleave(patch[1], dim=3)
+    h, w = image_hw
+    out = torch.zeros(b, 1, h, w, device=mask.device)
+    out[:, :, :m.shape[2], :m.shape[3]] = m
+    return out.bool()
+
+
+def remap_patches(idx: torch.Tensor, grid: Tuple[int, int], shift_patches: Tuple[int, int],
+                  flip: bool) -> torch.Tensor:
+    """Patch ids after rolling the image by whole patches (rows, cols) and an optional h-flip."""
+    gh, gw = grid
+    r, c = idx // gw, idx % gw
+    r = (r + shift_patches[0]) % gh
+    c = (c + shift_patches[1]) % gw
+    if flip:
+        c = gw - 1 - c
+    return r * gw + c
+
+
+def indices_of(mask: torch.Tensor) -> torch.Tensor:
+    """(B, N) bool mask with the same count per row -> (B, k) sorted patch ids."""
+    counts = mask.sum(1)
+    if not bool((counts == counts[0]).all()):
+        raise ValueError("every image of a batch must keep the same number of patches")
+    return mask.nonzero()[:, 1].view(mask.shape[0], -1)
+
+
+class SparseModelInversion:
+    """Synthesizer: inverts the ensemble into images, pruning low-attention patches as it goes."""
+
+    def __init__(self, ensemble: Ensemble, cfg: FedMITRConfig, input_shape: Sequence[int],
+                 mean: Sequence[float], std: Sequence[float], device, callbacks=None):
+        self.ensemble = ensemble
+        self.cfg = cfg
+        self.c, self.h, self.w = (int(v) for v in input_shape)
+        vit = ensemble.models[0]
+        self.grid = tuple(int(g) for g in vit.patch_embed.grid_size)
+        self.patch = tuple(int(p) for p in vit.patch_embed.patch_size)
+        self.num_patches = self.grid[0] * self.grid[1]
+        self.device = torch.device(device)
+        mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.lo = ((0.0 - mean_t) / std_t).to(self.device)
+        self.hi = ((1.0 - mean_t) / std_t).to(self.device)
+        self.prune_points = cfg.prune_iterations()
+        self.keep_counts = cfg.keep_counts(self.num_patches) if self.prune_points else []
+        self.callbacks = callbacks
+        self.jitter = cfg.jitter if cfg.jitter >= 0 else max(1, min(self.h, self.w) // 8)
+
+    def _prune(self, x: torch.Tensor, keep: torch.Tensor, count: int) -> torch.Tensor:
+        """Keep the ``count`` currently-kept patches of highest ensemble CLS attention."""
+        with torch.no_grad():
+            _, attn = self.ensemble(x, keep, return_attn=True)       # (B, k_current)
+        top = attn.topk(count, dim=1).indices
+        return keep.gather(1, top).sort(dim=1).values
+
+    def synthesize(self, labels: torch.Tensor, batch_index: int = 0, seed: int = 0,
+                   tag: str = "inversion") -> SyntheticBatch:
+        """Optimise one batch of images towards ``labels``; deterministic given (seed, batch_index)."""
+        cfg = self.cfg
+        gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(batch_index))
+        b = labels.shape[0]
+        labels = labels.to(self.device)
+        x = torch.randn(b, self.c, self.h, self.w, generator=gen).to(self.device)
+        x = torch.max(torch.min(x, self.hi), self.lo).requires_grad_(True)
+        opt = torch.optim.Adam([x], lr=cfg.inversion_lr, betas=tuple(cfg.inversion_betas))
+        keep = torch.arange(self.num_patches, device=self.device).unsqueeze(0).repeat(b, 1)
+        kept_mask = torch.ones(b, self.num_patches, dtype=torch.bool, device=self.device)
+        frozen_px = torch.zeros(b, 1, self.h, self.w, dtype=torch.bool, device=self.device)
+        bar = self.callbacks.progress(f"{tag} batch {batch_index}", cfg.inversion_iters) if self.callbacks else None
+        prune_step = {p: j for j, p in enumerate(self.prune_points)}
+        for it in range(cfg.inversion_iters):
+            if it in prune_step:
+                keep = self._prune(x.detach(), keep, self.keep_counts[prune_step[it]])
+                kept_mask = torch.zeros_like(kept_mask).scatter_(1, keep, True)
+                frozen_px = ~patch_mask_to_pixels(kept_mask, self.grid, self.patch, (self.h, self.w))
+            # jitter (roll) + flip; the keep set follows the image, to the nearest whole patch
+            dy = int(torch.randint(-self.jitter, self.jitter + 1, (1,), generator=gen))
+            dx = int(torch.randint(-self.jitter, self.jitter + 1, (1,), generator=gen))
+            flip = bool(cfg.flip and torch.rand(1, generator=gen).item() < 0.5)
+            x_a = torch.roll(x, shifts=(dy, dx), dims=(2, 3))
+            if flip:
+                x_a = x_a.flip(3)
+            keep_a = None
+            if keep.shape[1] < self.num_patches:
+                shift = (int(round(dy / self.patch[0])), int(round(dx / self.patch[1])))
+                keep_a = remap_patches(keep, self.grid, shift, flip)
+            logits = self.ensemble(x_a, keep_a)
+            ce = F.cross_entropy(logits, labels)
+            loss = ce + cfg.tv_weight * tv_l2(x)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            with torch.no_grad():
+                before = x.detach().clone()
+                x.grad.masked_fill_(frozen_px.expand_as(x), 0.0)
+            opt.step()
+            with torch.no_grad():
+                x.copy_(torch.where(frozen_px.expand_as(x), before, torch.max(torch.min(x, self.hi), self.lo)))
+            if bar is not None:
+                bar.update(1)
+                if it % 10 == 0 or it == cfg.inversion_iters - 1:
+                    bar.set_postfix(loss=f"{loss.item():.3f}", tokens=keep.shape[1])
+            if self.callbacks is not None and (it % 10 == 0 or it == cfg.inversion_iters - 1):
+                step = batch_index * cfg.inversion_iters + it
+                self.callbacks.metric(f"{tag}/loss", float(loss.item()), step)
+                self.callbacks.metric(f"{tag}/kept_tokens", float(keep.shape[1]), step)
+        if bar is not None:
+            bar.close()
+        x = x.detach()
+        if not self.prune_points:
+            kept_mask = self.attention_mask(x, self.cfg.keep_fraction(self.num_patches))
+        return SyntheticBatch(x, labels, kept_mask)
+
+    @torch.no_grad()
+    def attention_mask(self, x: torch.Tensor, fraction: float) -> torch.Tensor:
+        """Foreground mask from the ensemble's attention on the full images (for a dense pool)."""
+        count = max(1, int(round(self.num_patches * fraction)))
+        _, attn = self.ensemble(x, None, return_attn=True)
+        top = attn.topk(count, dim=1).indices
+        return torch.zeros(x.shape[0], self.num_patches, dtype=torch.bool, device=x.device).scatter_(1, top, True)

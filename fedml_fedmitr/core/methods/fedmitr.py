@@ -1,0 +1,103 @@
+"""FedMITR: sparse model inversion (stage 1) + token relabel distillation (stage 2).
+
+Also the DeepInversion baseline, which is the same pipeline with dense inversion and plain KD on
+full images at the DeepInversion/DENSE temperature.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..checkpoint import load_if_exists, save_atomic
+from ..config import FedMITRConfig
+from ..distill import distill_student
+from ..evaluate import evaluate_model
+from ..inversion import SparseModelInversion, SyntheticPool, balanced_labels
+from . import register_method
+from .base import ServerContext, ServerMethod
+
+
+@register_method
+class FedMITR(ServerMethod):
+    """One-shot FedMITR. Checkpoints: ``pool.pt`` after every synthesis batch, ``distill.pt``
+    after every distillation epoch (under ``ctx.state_dir``); ``resume: true`` continues from them."""
+
+    name = "FedMITR"
+
+    def _state_path(self, ctx: ServerContext, name: str):
+        return None if ctx.state_dir is None else ctx.state_dir / f"{self.name}_{name}"
+
+    def synthesize(self, ctx: ServerContext) -> SyntheticPool:
+        cfg = self.config
+        inverter = SparseModelInversion(self.ensemble, cfg, ctx.input_shape, ctx.mean, ctx.std, ctx.device,
+                                        ctx.callbacks)
+        path = self._state_path(ctx, "pool.pt")
+        saved = load_if_exists(path) if cfg.resume else None
+        pool = SyntheticPool.from_state(saved) if saved is not None else SyntheticPool()
+        if saved is not None:
+            ctx.callbacks.log(f"resuming synthesis with {len(pool)} images from {path}")
+        num_batches = (cfg.num_synthetic + cfg.synthesis_batch_size - 1) // cfg.synthesis_batch_size
+        for b in range(len(pool.batches), num_batches):
+            size = min(cfg.synthesis_batch_size, cfg.num_synthetic - b * cfg.synthesis_batch_size)
+            labels = balanced_labels(cfg.synthesis_batch_size, ctx.num_classes, b)[:size]
+            batch = inverter.synthesize(labels, batch_index=b, seed=ctx.seed)
+            pool.add(batch)
+            ctx.callbacks.images(f"synthetic_batch_{b}", batch.images, batch.labels, batch.masks)
+            if path is not None:
+                save_atomic(pool.state(), path)
+        return pool
+
+    def distill(self, pool: SyntheticPool, ctx: ServerContext) -> nn.Module:
+        images, labels, masks = pool.tensors()
+        with torch.no_grad():
+            hits = []
+            for i in range(0, len(labels), 256):
+                x = images[i:i + 256].to(ctx.device)
+                hits.append(self.ensemble(x).argmax(1).cpu() == labels[i:i + 256])
+            self.pool_fit = float(torch.cat(hits).float().mean())
+        ctx.callbacks.log(f"synthetic pool: {len(labels)} images, {self.pool_fit:.1%} classified as "
+                          f"their target by the ensemble, {int(masks[0].sum())}/{masks.shape[1]} "
+                          "patches in the foreground")
+        path = self._state_path(ctx, "distill.pt")
+        resume_state = load_if_exists(path) if self.config.resume else None
+        if resume_state is not None:
+            ctx.callbacks.log(f"resuming distillation at epoch {resume_state['epoch']} from {path}")
+        eval_fn = None
+        if ctx.eval_loader is not None:
+            def eval_fn(model):
+                return evaluate_model(model, ctx.eval_loader, ctx.device, ctx.num_classes)["acc"]
+        checkpoint = (lambda state: save_atomic(state, path)) if path is not None else None
+        return distill_student(self.student, self.ensemble, images, labels, masks, self.config, ctx.device,
+                               seed=ctx.seed, callbacks=ctx.callbacks, eval_fn=eval_fn,
+                               checkpoint=checkpoint, resume_state=resume_state)
+
+    def evaluate(self, model, ctx):
+        metrics = super().evaluate(model, ctx)
+        if hasattr(self, "pool_fit"):
+            metrics["pool_ensemble_fit"] = self.pool_fit
+        return metrics
+
+
+def _variant(name: str, doc: str, **overrides):
+    """A registered FedMITR variant whose config keys ``overrides`` are forced."""
+    def __init__(self, config: Optional[FedMITRConfig] = None):
+        cfg = config or FedMITRConfig()
+        values = {k: (getattr(cfg, v[1:]) if isinstance(v, str) and v.startswith("@") else v)
+                  for k, v in overrides.items()}
+        FedMITR.__init__(self, cfg.replace(**values))
+    cls = type(name.replace("-", "_"), (FedMITR,), {"name": name, "__doc__": doc, "__init__": __init__})
+    return register_method(cls)
+
+
+DeepInversion = _variant(
+    "DeepInversion", "DeepInversion for ViTs: dense inversion of the ensemble + KL distillation on "
+    "full images at baseline_kd_temperature (20 in the SMI/DENSE code).",
+    inversion="dense", distill_mode="kd_full", kd_temperature="@baseline_kd_temperature")
+FedMITRDense = _variant("FedMITR-dense", "Ablation: dense inversion + token relabel (mask from attention).",
+                        inversion="dense")
+FedMITRKD = _variant("FedMITR-kd", "Ablation: sparse inversion + plain KD on full images.",
+                     distill_mode="kd_full")
+FedMITRCE = _variant("FedMITR-ce", "Ablation: sparse inversion + CE on the foreground tokens only.",
+                     distill_mode="ce_foreground")

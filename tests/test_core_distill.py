@@ -1,0 +1,97 @@
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from fedml_fedmitr.core.config import FedMITRConfig
+from fedml_fedmitr.core.distill import (augment_with_mask, background_targets, distill_student,
+                                        token_relabel_loss)
+from fedml_fedmitr.core.models import embed_tokens
+from helpers_core import tiny_ensemble, tiny_vit
+
+
+def manual_subset_logits(model, x, mask):
+    """Reference: each image on its own, tokens chosen by boolean indexing."""
+    outs = []
+    for i in range(x.shape[0]):
+        tok = embed_tokens(model, x[i:i + 1])
+        sel = torch.cat([tok[:, :1], tok[:, 1:][:, mask[i]]], dim=1)
+        outs.append(model.forward_head(model.norm(model.blocks(sel))))
+    return torch.cat(outs)
+
+
+def random_mask(b, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.zeros(b, n, dtype=torch.bool)
+    for i in range(b):
+        m[i, torch.randperm(n, generator=g)[:k]] = True
+    return m
+
+
+def test_relabel_target_is_the_ensemble_on_exactly_the_background_tokens():
+    ens = tiny_ensemble(3)
+    x = torch.randn(4, 1, 16, 16)
+    mask = random_mask(4, 16, 5)
+    q = background_targets(ens, x, mask, temperature=2.0)
+    ref = torch.stack([manual_subset_logits(m, x, ~mask) for m in ens.models]).mean(0)
+    torch.testing.assert_close(q, F.softmax(ref / 2.0, dim=1), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(q, F.softmax(ens(x) / 2.0, dim=1), atol=1e-4)  # not the full image
+
+
+def test_token_relabel_loss_matches_its_definition():
+    ens, student = tiny_ensemble(2), tiny_vit(seed=9)
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([1, 2, 3, 4])
+    mask = random_mask(4, 16, 4)
+    cfg = FedMITRConfig(relabel_weight=0.5, kd_temperature=3.0)
+    loss, parts = token_relabel_loss(student, ens, x, y, mask, cfg)
+    ce = F.cross_entropy(manual_subset_logits(student, x, mask), y)
+    q = F.softmax(torch.stack([manual_subset_logits(m, x, ~mask) for m in ens.models]).mean(0) / 3, 1)
+    kl = F.kl_div(F.log_softmax(manual_subset_logits(student, x, ~mask) / 3, 1), q, reduction="batchmean") * 9
+    torch.testing.assert_close(loss, ce + 0.5 * kl, rtol=1e-4, atol=1e-5)
+    ce_only, _ = token_relabel_loss(student, ens, x, y, mask, cfg.replace(distill_mode="ce_foreground"))
+    torch.testing.assert_close(ce_only, ce, rtol=1e-4, atol=1e-5)
+
+
+def test_loss_decreases_on_a_fixed_batch():
+    ens, student = tiny_ensemble(2), tiny_vit(seed=9)
+    student.train()
+    x, y = torch.randn(8, 1, 16, 16), torch.arange(8) % 10
+    mask = random_mask(8, 16, 4)
+    cfg = FedMITRConfig()
+    opt = torch.optim.Adam(student.parameters(), lr=1e-3)
+    first = None
+    for _ in range(25):
+        loss, _ = token_relabel_loss(student, ens, x, y, mask, cfg)
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.5 * first
+
+
+def test_augmentation_moves_image_and_mask_together():
+    g = torch.Generator().manual_seed(3)
+    x = torch.arange(16.0).view(1, 1, 4, 4).repeat_interleave(4, 2).repeat_interleave(4, 3).repeat(2, 1, 1, 1)
+    mask = random_mask(2, 16, 5)
+    for _ in range(6):
+        xa, ma = augment_with_mask(x, mask, (4, 4), (4, 4), g)
+        # the patch ids (pixel values) under the new mask are the ids under the old mask
+        for i in range(2):
+            ids_new = xa[i, 0, ::4, ::4].reshape(-1)[ma[i]].sort().values
+            assert torch.equal(ids_new, mask[i].nonzero().view(-1).float())
+
+
+def test_distillation_resumes_bit_identically(tmp_path):
+    ens = tiny_ensemble(2)
+    imgs, labels, masks = torch.randn(20, 1, 16, 16), torch.arange(20) % 10, random_mask(20, 16, 4)
+    cfg = FedMITRConfig(distill_epochs=4, distill_batch_size=8)
+    full = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg, "cpu", seed=1)
+    saved = {}
+    # the checkpoint callback gets live references: copy them at once (FedMITR serialises them)
+    distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg, "cpu", seed=1,
+                    checkpoint=lambda s: saved.setdefault(s["epoch"], copy.deepcopy(s)))
+    state = saved[2]
+    resumed = distill_student(tiny_vit(seed=123), ens, imgs, labels, masks, cfg, "cpu", seed=1,
+                              resume_state=state)
+    for (k, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k

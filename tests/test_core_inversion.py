@@ -1,0 +1,95 @@
+import torch
+
+from fedml_fedmitr.core.config import FedMITRConfig
+from fedml_fedmitr.core.inversion import (SparseModelInversion, patch_mask_to_pixels, remap_patches, tv_l2)
+from helpers_core import tiny_ensemble
+
+
+class RecordingInversion(SparseModelInversion):
+    """Records the image and keep set at every prune point."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.events = []
+
+    def _prune(self, x, keep, count):
+        new_keep = super()._prune(x, keep, count)
+        self.events.append((x.clone(), keep.clone(), new_keep.clone()))
+        return new_keep
+
+
+def make(cfg, k=2):
+    ens = tiny_ensemble(k)
+    return RecordingInversion(ens, cfg, (1, 16, 16), [0.3], [0.35], "cpu")
+
+
+def test_prune_schedule_keeps_the_configured_token_counts():
+    cfg = FedMITRConfig(inversion_iters=40, prune_at=[4, 8, 16, 24], prune_ratio=0.3, jitter=1)
+    assert cfg.keep_counts(16) == [11, 8, 5, 4]  # round(16 * 0.7 ** j)
+    inv = make(cfg)
+    batch = inv.synthesize(torch.arange(6) % 10, batch_index=0, seed=1)
+    assert [e[2].shape[1] for e in inv.events] == [11, 8, 5, 4]
+    assert batch.masks.shape == (6, 16)
+    assert batch.masks.sum(1).tolist() == [4] * 6
+    # every new keep set is a subset of the previous one
+    for _, old, new in inv.events:
+        for o, n in zip(old.tolist(), new.tolist()):
+            assert set(n) <= set(o)
+
+
+def test_halted_pixels_stay_bit_identical_to_the_end():
+    cfg = FedMITRConfig(inversion_iters=30, prune_at=[3, 9, 15], prune_ratio=0.4, jitter=2)
+    inv = make(cfg)
+    batch = inv.synthesize(torch.arange(4), batch_index=0, seed=0)
+    final = batch.images
+    for x_at_prune, old, new in inv.events:
+        dropped = torch.zeros(4, 16, dtype=torch.bool)
+        dropped.scatter_(1, old, True)
+        dropped.scatter_(1, new, False)
+        px = patch_mask_to_pixels(dropped, (4, 4), (4, 4), (16, 16)).expand_as(final)
+        assert px.any()
+        assert torch.equal(final[px], x_at_prune[px])  # bit-identical, not close
+    # kept pixels did move after the last prune
+    kept_px = patch_mask_to_pixels(batch.masks, (4, 4), (4, 4), (16, 16)).expand_as(final)
+    assert not torch.equal(final[kept_px], inv.events[-1][0][kept_px])
+
+
+def test_inversion_fits_the_ensemble_and_stays_in_the_valid_range():
+    cfg = FedMITRConfig(inversion_iters=60, prune_fractions=[0.1, 0.2, 0.35, 0.5], inversion_lr=0.1)
+    inv = make(cfg)
+    for m in inv.ensemble.models:  # random tiny ViTs barely react to their input: sharpen their heads
+        m.head.weight.data *= 30
+    labels = torch.arange(8) % 10
+    batch = inv.synthesize(labels, seed=0)
+    assert (batch.images >= inv.lo - 1e-6).all() and (batch.images <= inv.hi + 1e-6).all()
+    start = inv.ensemble(torch.randn(8, 1, 16, 16).clamp(inv.lo.item(), inv.hi.item()))
+    ce_start = torch.nn.functional.cross_entropy(start, labels)
+    keep = batch.masks.nonzero()[:, 1].view(8, -1)
+    ce_end = torch.nn.functional.cross_entropy(inv.ensemble(batch.images, keep), labels)
+    assert ce_end < 0.8 * ce_start
+
+
+def test_same_seed_same_images_and_dense_mode_gives_an_attention_mask():
+    cfg = FedMITRConfig(inversion_iters=12, prune_at=[2, 4], jitter=1)
+    a = make(cfg).synthesize(torch.arange(3), batch_index=2, seed=5)
+    b = make(cfg).synthesize(torch.arange(3), batch_index=2, seed=5)
+    assert torch.equal(a.images, b.images) and torch.equal(a.masks, b.masks)
+    dense = cfg.replace(inversion="dense")
+    d = make(dense).synthesize(torch.arange(3), seed=5)
+    expected = round(16 * cfg.keep_fraction(16))
+    assert d.masks.sum(1).tolist() == [expected] * 3  # background set not empty
+
+
+def test_remap_patches_follows_roll_and_flip():
+    img = torch.arange(16.0).view(1, 1, 4, 4).repeat_interleave(2, 2).repeat_interleave(2, 3)  # patch 2
+    ids = torch.arange(16)
+    rolled = torch.roll(img, shifts=(2, -2), dims=(2, 3)).flip(3)
+    new = remap_patches(ids, (4, 4), (1, -1), True)
+    for old_id, new_id in zip(ids.tolist(), new.tolist()):
+        r, c = divmod(new_id, 4)
+        assert rolled[0, 0, 2 * r, 2 * c] == old_id
+
+
+def test_tv_is_zero_on_constant_images():
+    assert tv_l2(torch.ones(2, 3, 8, 8)) == 0
+    assert tv_l2(torch.randn(2, 3, 8, 8)) > 0
