@@ -94,6 +94,9 @@ class FedMITRConfig:
     client_timeout_s: float = 0.0       # 0: wait for every client forever (FedML's behaviour)
     min_clients: int = 1                # fewest uploads the server proceeds with after a timeout
 
+    def __post_init__(self) -> None:
+        self.validate("FedMITRConfig")
+
     # ------------------------------------------------------------------
     @classmethod
     def from_dict(cls, values: Optional[Mapping[str, Any]], where: str = "fedmitr_args") -> "FedMITRConfig":
@@ -182,19 +185,20 @@ class FedMITRConfig:
                 f"[0.1, 0.2, 0.35, 0.5], or raise inversion_iters)")
         return points
 
+    def num_prunes(self) -> int:
+        """How many prune points the sparse schedule has (also for dense inversion's masks)."""
+        return len(self.prune_at) if self.prune_at is not None else len(self.prune_fractions)
+
     def keep_counts(self, num_patches: int) -> List[int]:
         """Number of patches kept after each prune point: max(1, round(N * (1 - r) ** j))."""
         return [max(1, int(round(num_patches * (1.0 - self.prune_ratio) ** (j + 1))))
-                for j in range(len(self.prune_iterations()))]
+                for j in range(self.num_prunes())]
 
     def keep_fraction(self, num_patches: int) -> float:
-        """Fraction of patches in the foreground set after the whole sparse schedule."""
-        counts = self.keep_counts(num_patches)
-        if self.inversion == "dense":
-            # dense inversion still needs a foreground/background split for the relabel loss:
-            # use the keep fraction the sparse schedule would reach
-            counts = self.replace(inversion="sparse").keep_counts(num_patches)
-        return counts[-1] / num_patches
+        """Fraction of patches in the foreground set after the whole sparse schedule. Dense
+        inversion still needs a foreground/background split for the relabel loss: it uses the
+        fraction the sparse schedule would reach."""
+        return self.keep_counts(num_patches)[-1] / num_patches
 
 
 def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
