@@ -1,0 +1,237 @@
+"""Datasets for FedML runs of the plugin, in FedML's dataset format, partitioned by the core.
+
+:func:`load_data(args)` mirrors ``fedml.data.load(args)``: it returns ``(dataset, class_num)``
+with ``dataset = [train_data_num, test_data_num, train_data_global, test_data_global,
+train_data_local_num_dict, train_data_local_dict, test_data_local_dict, class_num]`` (client
+indices 0-based, counts in samples). It also stores a :class:`DataInfo` in
+``args.fedmitr_data_info`` (input shape, normalisation mean/std, per-client label counts), which
+the server needs for the valid pixel range of its synthetic images.
+
+Datasets (``data_args.dataset``):
+
+* ``digits``: scikit-learn's 8x8 digits (1,797 images, installed with scikit-learn, no download),
+  one channel, values 0..16 scaled to [0, 1], resized to ``model_args.img_size``, split into
+  train/test by a stratified split seeded by ``random_seed`` (``data_args.test_fraction``, 0.2).
+* ``npz``: ``data_args.npz_path``, an archive with ``x_train, y_train, x_test, y_test``; images
+  uint8 NHWC (or NHW grayscale), or floats in [0, 1].
+* ``cifar10``: the torchvision ``cifar-10-batches-py`` folder in ``data_args.data_cache_dir``,
+  read by FedML's own CIFAR-10 loading (``fedml.data.cifar10.data_loader.load_cifar10_data``),
+  which never downloads when the files are present; the plugin checks they are there first.
+
+Images are normalised per channel with the training set's mean and std (CIFAR-10: the published
+ones) and resized to ``img_size`` when they differ. The training set is split among
+``client_num_in_total`` clients by :func:`fedml_fedmitr.core.partition.partition`
+(``partition_method``: ``hetero`` with ``partition_alpha``, ``pathological`` with
+``classes_per_client``, ``homo``), always seeded by ``random_seed``. A client's local test set
+holds the test images of the classes it trained on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from .core.config import ConfigError
+from .core.partition import label_counts, partition
+
+log = logging.getLogger("fedml_fedmitr")
+
+CIFAR10_MEAN = (0.49139968, 0.48215827, 0.44653124)
+CIFAR10_STD = (0.24703233, 0.24348505, 0.26158768)
+TEST_BATCH_SIZE = 256
+
+
+class DataError(ConfigError):
+    """A dataset file or array is missing or malformed (the message names it)."""
+
+
+@dataclass
+class DataInfo:
+    name: str
+    num_classes: int
+    input_shape: Tuple[int, int, int]          # (C, H, W) after resizing
+    mean: List[float]
+    std: List[float]
+    num_train: int
+    num_test: int
+    partition_method: str
+    partition_alpha: Optional[float]
+    classes_per_client: Optional[int]
+    client_label_counts: List[List[int]] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = asdict(self)
+        out["input_shape"] = list(self.input_shape)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw arrays: (x_train, y_train, x_test, y_test) with x float32 NCHW in [0, 1]
+# ---------------------------------------------------------------------------------------------
+def _digits(seed: int, test_fraction: float):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x = (d.images.astype(np.float32) / 16.0)[:, None, :, :]
+    y = d.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, stratify=y, random_state=seed)
+    return x_tr, y_tr, x_te, y_te
+
+
+def _to_nchw_unit(x: np.ndarray, where: str) -> np.ndarray:
+    if x.ndim == 3:
+        x = x[..., None]
+    if x.ndim != 4:
+        raise DataError(f"{where}: expected images of shape (N, H, W, C) or (N, H, W), got {x.shape}")
+    if x.shape[-1] not in (1, 3, 4) and x.shape[1] in (1, 3, 4):
+        x = np.transpose(x, (0, 2, 3, 1))  # NCHW given: make NHWC first
+    if x.dtype == np.uint8:
+        x = x.astype(np.float32) / 255.0
+    else:
+        x = x.astype(np.float32)
+        if x.size and (x.min() < -1e-3 or x.max() > 1.0 + 1e-3):
+            raise DataError(f"{where}: float images must lie in [0, 1] (got {x.min():.3g}..{x.max():.3g}); "
+                            "store uint8 0..255 instead")
+    return np.ascontiguousarray(np.transpose(x, (0, 3, 1, 2)))
+
+
+def load_npz_arrays(path: str):
+    """(x_train, y_train, x_test, y_test) of an .npz archive; DataError naming a missing key."""
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise DataError(f"data_args.npz_path = {path!r}: no such file")
+    try:
+        blob = np.load(path, allow_pickle=False)
+    except Exception as exc:  # a corrupt or non-npz file
+        raise DataError(f"data_args.npz_path = {path!r} is not a readable .npz archive: {exc}") from exc
+    with blob:
+        missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in blob.files]
+        if missing:
+            raise DataError(f"{path}: missing array(s) {missing}; an npz dataset needs x_train, y_train, "
+                            f"x_test, y_test (has {sorted(blob.files)})")
+        arrays = {k: blob[k] for k in ("x_train", "y_train", "x_test", "y_test")}
+    x_tr = _to_nchw_unit(arrays["x_train"], f"{path}: x_train")
+    x_te = _to_nchw_unit(arrays["x_test"], f"{path}: x_test")
+    y_tr = arrays["y_train"].astype(np.int64).reshape(-1)
+    y_te = arrays["y_test"].astype(np.int64).reshape(-1)
+    for xs, ys, split in ((x_tr, y_tr, "train"), (x_te, y_te, "test")):
+        if len(xs) != len(ys):
+            raise DataError(f"{path}: x_{split} has {len(xs)} images but y_{split} {len(ys)} labels")
+        if len(ys) == 0:
+            raise DataError(f"{path}: x_{split} is empty")
+    if x_tr.shape[1:] != x_te.shape[1:]:
+        raise DataError(f"{path}: x_train images {x_tr.shape[1:]} and x_test images {x_te.shape[1:]} differ")
+    return x_tr, y_tr, x_te, y_te
+
+
+def _cifar10(root: str):
+    root = os.path.expanduser(root)
+    folder = os.path.join(root, "cifar-10-batches-py")
+    needed = ["data_batch_%d" % i for i in range(1, 6)] + ["test_batch"]
+    missing = [f for f in needed if not os.path.isfile(os.path.join(folder, f))]
+    if missing:
+        raise DataError(f"data_args.data_cache_dir = {root!r}: {folder} lacks {missing} (the torchvision "
+                        "CIFAR-10 python files); put them there, the plugin never downloads")
+    from fedml.data.cifar10.data_loader import load_cifar10_data  # FedML's loading, not its partition
+
+    x_tr, y_tr, x_te, y_te = load_cifar10_data(root)
+    return (_to_nchw_unit(np.asarray(x_tr), "cifar10 train"), np.asarray(y_tr, dtype=np.int64),
+            _to_nchw_unit(np.asarray(x_te), "cifar10 test"), np.asarray(y_te, dtype=np.int64))
+
+
+def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
+    if x.shape[-1] == size and x.shape[-2] == size:
+        return x
+    out = []
+    for start in range(0, len(x), 4096):
+        out.append(F.interpolate(x[start:start + 4096], size=(size, size), mode="bilinear",
+                                 align_corners=False, antialias=size < x.shape[-1]))
+    return torch.cat(out).clamp_(0.0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+def load_data(args) -> Tuple[list, int]:
+    """FedML-format dataset of ``args.dataset`` partitioned by the core; see the module doc."""
+    from .fedml_adapter.config import check_data_args
+
+    check_data_args(args)
+    name = args.dataset
+    seed = int(getattr(args, "random_seed", 0))
+    img_size = int(getattr(args, "img_size", 16))
+    if name == "digits":
+        x_tr, y_tr, x_te, y_te = _digits(seed, float(getattr(args, "test_fraction", 0.2)))
+        mean = std = None
+    elif name == "npz":
+        x_tr, y_tr, x_te, y_te = load_npz_arrays(args.npz_path)
+        mean = std = None
+    else:
+        x_tr, y_tr, x_te, y_te = _cifar10(args.data_cache_dir)
+        mean, std = list(CIFAR10_MEAN), list(CIFAR10_STD)
+
+    num_classes = int(max(y_tr.max(), y_te.max())) + 1
+    xt_tr = _resize(torch.from_numpy(x_tr), img_size)
+    xt_te = _resize(torch.from_numpy(x_te), img_size)
+    if mean is None:
+        mean = xt_tr.mean(dim=(0, 2, 3)).tolist()
+        std = xt_tr.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
+    m = torch.tensor(mean).view(1, -1, 1, 1)
+    s = torch.tensor(std).view(1, -1, 1, 1)
+    xt_tr = (xt_tr - m) / s
+    xt_te = (xt_te - m) / s
+    yt_tr = torch.from_numpy(y_tr)
+    yt_te = torch.from_numpy(y_te)
+    in_chans = int(xt_tr.shape[1])
+    want_chans = getattr(args, "in_chans", None)
+    if want_chans is not None and int(want_chans) != in_chans:
+        raise DataError(f"model_args.in_chans = {want_chans!r} but dataset {name!r} has {in_chans} channel(s)")
+
+    k = int(args.client_num_in_total)
+    method = getattr(args, "partition_method", "hetero")
+    alpha = float(getattr(args, "partition_alpha", 0.5))
+    cpc = int(getattr(args, "classes_per_client", 2))
+    try:
+        shards = partition(y_tr, k, method, seed, alpha=alpha, classes_per_client=cpc,
+                           min_size=int(getattr(args, "partition_min_size", 10)))
+    except ValueError as exc:
+        raise DataError(f"data_args: cannot partition {name} ({len(y_tr)} training images) among "
+                        f"{k} clients: {exc}") from exc
+
+    batch_size = int(getattr(args, "batch_size", 32))
+    train_local_num: Dict[int, int] = {}
+    train_local: Dict[int, DataLoader] = {}
+    test_local: Dict[int, DataLoader] = {}
+    counts = []
+    for idx, shard in enumerate(shards):
+        shard_t = torch.from_numpy(shard)
+        gen = torch.Generator().manual_seed(seed * 1000 + idx)
+        train_local[idx] = DataLoader(TensorDataset(xt_tr[shard_t], yt_tr[shard_t]), batch_size=batch_size,
+                                      shuffle=True, generator=gen)
+        train_local_num[idx] = int(len(shard))
+        c = label_counts(y_tr[shard], num_classes)
+        counts.append(c)
+        own = torch.from_numpy(np.isin(y_te, np.flatnonzero(np.asarray(c) > 0)))
+        test_local[idx] = DataLoader(TensorDataset(xt_te[own], yt_te[own]), batch_size=TEST_BATCH_SIZE)
+    train_global = DataLoader(TensorDataset(xt_tr, yt_tr), batch_size=batch_size, shuffle=True,
+                              generator=torch.Generator().manual_seed(seed))
+    test_global = DataLoader(TensorDataset(xt_te, yt_te), batch_size=TEST_BATCH_SIZE)
+
+    info = DataInfo(name=name, num_classes=num_classes, input_shape=(in_chans, img_size, img_size),
+                    mean=[float(v) for v in mean], std=[float(v) for v in std], num_train=len(y_tr),
+                    num_test=len(y_te), partition_method=method,
+                    partition_alpha=alpha if method == "hetero" else None,
+                    classes_per_client=cpc if method == "pathological" else None,
+                    client_label_counts=counts)
+    args.fedmitr_data_info = info
+    log.info("data: %s, %d train / %d test images of shape %s, %d classes, %d clients (%s), "
+             "samples per client %s", name, len(y_tr), len(y_te), info.input_shape, num_classes, k,
+             method, [train_local_num[i] for i in range(k)])
+    dataset = [len(y_tr), len(y_te), train_global, test_global, train_local_num, train_local, test_local,
+               num_classes]
+    return dataset, num_classes

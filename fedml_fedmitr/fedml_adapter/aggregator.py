@@ -1,0 +1,278 @@
+"""The server side as a FedML ``ServerAggregator``: one-shot aggregation with a core method.
+
+``aggregate(model_list)`` receives FedML's ``[(sample_num, params), ...]`` where each ``params``
+is a client trainer's payload dict (one or several client uploads), turns them into
+:class:`~fedml_fedmitr.core.methods.base.ClientUpload` objects and runs
+``get_method(args.federated_optimizer)(fedmitr_config).run(uploads, ctx)``. It then measures each
+client's own model on the server's test set (``client_test_acc``), writes
+``<output_dir>/global_model.pt`` (:func:`fedml_fedmitr.core.models.save_global_model`; rebuild it
+with :func:`fedml_fedmitr.load_global_model`) and ``<output_dir>/summary.json``, and returns the
+global state_dict, which FedML sends to every client.
+
+FedML's default ``on_before_aggregation`` / ``on_after_aggregation`` (differential privacy,
+attacks and defences, FHE) expect state dicts, not one-shot payloads: they are passed through
+unchanged here.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from fedml.core import ServerAggregator
+
+from ..core.evaluate import evaluate_model
+from ..core.methods import get_method
+from ..core.methods.base import Callbacks, ClientUpload, ServerContext
+from ..core.models import check_finite, load_state_checked, save_global_model
+from .model import input_shape_of, model_meta
+from .trainer import PAYLOAD_KEY, _cpu_state
+
+log = logging.getLogger("fedml_fedmitr")
+
+SUMMARY_NAME = "summary.json"
+CHECKPOINT_NAME = "global_model.pt"
+
+
+def estimate_mean_std(loader, channels: int):
+    """Per-channel (mean, std) such that the loader's observed min..max is the [0, 1] pixel range.
+
+    Used when a stock ``main.py`` passes its own normalised data and says nothing about its
+    normalisation (``data_args.input_mean`` / ``input_std`` override this).
+    """
+    lo = torch.full((channels,), float("inf"))
+    hi = torch.full((channels,), float("-inf"))
+    for x, _ in loader:
+        x = x.detach().float().cpu()
+        lo = torch.minimum(lo, x.transpose(0, 1).reshape(channels, -1).min(dim=1).values)
+        hi = torch.maximum(hi, x.transpose(0, 1).reshape(channels, -1).max(dim=1).values)
+    std = (hi - lo).clamp_min(1e-6)
+    mean = -lo * std
+    return mean.tolist(), std.tolist()
+
+
+class FedMITRServerAggregator(ServerAggregator):
+    def __init__(self, model, args, fedmitr_config=None, device=None, test_data=None,
+                 start_time: Optional[float] = None, train_config=None):
+        super().__init__(model, args)
+        from .config import client_train_config, read_fedmitr_config
+
+        self.fedmitr_config = fedmitr_config or read_fedmitr_config(args)
+        self.train_config = train_config or client_train_config(args)
+        self.method_name = args.federated_optimizer
+        self.device = device
+        self.test_data = test_data
+        self.start_time = time.perf_counter() if start_time is None else start_time
+        self.template_state = _cpu_state(model)  # the shared initial weights
+        self.summary: Optional[Dict[str, Any]] = None
+        self.result = None
+
+    # ---- FedML hooks ----
+    def get_model_params(self):
+        return _cpu_state(self.model)
+
+    def set_model_params(self, model_parameters):
+        load_state_checked(self.model, model_parameters, "the global model")
+
+    def on_before_aggregation(self, raw_client_model_or_grad_list):
+        return raw_client_model_or_grad_list, list(range(len(raw_client_model_or_grad_list)))
+
+    def on_after_aggregation(self, aggregated_model_or_grad):
+        return aggregated_model_or_grad
+
+    def test(self, test_data, device, args):
+        if test_data is None:
+            return None
+        res = evaluate_model(self.model, test_data, device or self._device(), self.model.num_classes)
+        log.info("server: global model accuracy %.4f on %d test images", res["acc"], res["num_samples"])
+        return res["acc"], res["loss"], None, None
+
+    def test_all(self, train_data_local_dict, test_data_local_dict, device, args) -> bool:
+        return True
+
+    # ---- the one-shot aggregation ----
+    def _device(self):
+        dev = self.device if self.device is not None else getattr(self.args, "device", None)
+        return torch.device(dev) if dev is not None else torch.device("cpu")
+
+    def uploads_from(self, model_list) -> List[ClientUpload]:
+        uploads, train_s = [], []
+        for sample_num, params in model_list:
+            if not isinstance(params, dict) or PAYLOAD_KEY not in params:
+                raise ValueError(
+                    f"federated_optimizer = {self.method_name!r}: a client sent {type(params).__name__} "
+                    "instead of a one-shot upload; clients must run FedMITRClientTrainer "
+                    "(import fedml_fedmitr in every party's main.py)")
+            for payload in params[PAYLOAD_KEY]:
+                upload = ClientUpload.from_payload(payload)
+                check_finite(upload.state_dict, f"the model of client {upload.client_id}")
+                uploads.append(upload)
+                train_s.append(float(payload.get("train_s", 0.0)))
+        order = sorted(range(len(uploads)), key=lambda i: uploads[i].client_id)
+        ids = [uploads[i].client_id for i in order]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate client uploads: client ids {ids}")
+        self.train_seconds = [train_s[i] for i in order]
+        return [uploads[i] for i in order]
+
+    def context(self) -> ServerContext:
+        device = self._device()
+        template = copy.deepcopy(self.model).cpu()
+        template.load_state_dict(self.template_state)
+
+        def model_fn():
+            return copy.deepcopy(template)
+
+        shape = input_shape_of(self.model)
+        mean = getattr(self.args, "input_mean", None)
+        std = getattr(self.args, "input_std", None)
+        info = getattr(self.args, "fedmitr_data_info", None)
+        if mean is None or std is None:
+            if info is not None:
+                mean, std = info.mean, info.std
+            elif self.test_data is not None:
+                mean, std = estimate_mean_std(self.test_data, shape[0])
+                log.info("server: no data_args.input_mean/input_std given; the pixel range observed in "
+                         "the test set gives mean %s std %s", [round(v, 4) for v in mean],
+                         [round(v, 4) for v in std])
+            else:
+                mean, std = [0.0] * shape[0], [1.0] * shape[0]
+        cfg = self.fedmitr_config
+        out = Path(cfg.output_dir)
+        pretrained = bool(getattr(self.args, "pretrained", False) or getattr(self.args, "pretrained_path", None))
+        return ServerContext(model_fn=model_fn, num_classes=int(self.model.num_classes), input_shape=shape,
+                             mean=list(mean), std=list(std), device=device, eval_loader=self.test_data,
+                             state_dir=out / "state", callbacks=Callbacks(progress=cfg.progress),
+                             seed=int(cfg.seed if cfg.seed is not None else getattr(self.args, "random_seed", 0)),
+                             pretrained_state=dict(self.template_state) if pretrained else None)
+
+    def aggregate(self, raw_client_model_or_grad_list):
+        uploads = self.uploads_from(raw_client_model_or_grad_list)
+        expected = int(getattr(self.args, "client_num_in_total", len(uploads)))
+        if len(uploads) != expected:
+            log.warning("server: %d client uploads, client_num_in_total is %d", len(uploads), expected)
+        log.info("server: %d client uploads (clients %s); running %s", len(uploads),
+                 [u.client_id for u in uploads], self.method_name)
+        ctx = self.context()
+        os.makedirs(self.fedmitr_config.output_dir, exist_ok=True)
+        method = get_method(self.method_name)(self.fedmitr_config)
+        result = method.run(uploads, ctx)
+        self.result = result
+        global_model = result.model
+        state = _cpu_state(global_model)
+        self.model.load_state_dict(state)
+
+        client_acc = []
+        if ctx.eval_loader is not None:
+            probe = ctx.model_fn().to(ctx.device)
+            for upload in uploads:
+                load_state_checked(probe, upload.state_dict, f"the model of client {upload.client_id}")
+                client_acc.append(evaluate_model(probe, ctx.eval_loader, ctx.device, ctx.num_classes)["acc"])
+            del probe
+        self.write_outputs(uploads, result.metrics, client_acc)
+        return state
+
+    def write_outputs(self, uploads, metrics: Dict[str, Any], client_acc: List[float]) -> Dict[str, Any]:
+        cfg = self.fedmitr_config
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = model_meta(self.model, self.args)
+        info = getattr(self.args, "fedmitr_data_info", None)
+        if info is not None:
+            meta.update(mean=info.mean, std=info.std, dataset=info.name)
+        ckpt = out / CHECKPOINT_NAME
+        save_global_model(ckpt, self.model, meta)
+
+        timings = dict(metrics.get("timings", {}))
+        train_s = getattr(self, "train_seconds", []) or [0.0]
+        summary: Dict[str, Any] = {
+            "optimizer": self.method_name,
+            "dataset": getattr(self.args, "dataset", None),
+            "client_num": len(uploads),
+            "client_ids": [u.client_id for u in uploads],
+            "client_num_samples": [u.num_samples for u in uploads],
+            "partition": {
+                "method": info.partition_method if info is not None else getattr(self.args, "partition_method", None),
+                "alpha": info.partition_alpha if info is not None else getattr(self.args, "partition_alpha", None),
+                "classes_per_client": (info.classes_per_client if info is not None
+                                       else getattr(self.args, "classes_per_client", None)),
+                "label_counts": [u.label_counts for u in uploads],
+            },
+            "test_acc": metrics.get("test_acc"),
+            "ensemble_acc": metrics.get("ensemble_acc"),
+            "client_test_acc": client_acc,
+            "num_synthetic": metrics.get("num_synthetic", 0),
+            "timings": {
+                # clients train in parallel in a real federation: local_train_s is the slowest
+                # client's training time; local_train_s_sum adds them all up
+                "local_train_s": max(train_s),
+                "local_train_s_sum": sum(train_s),
+                "synthesis_s": timings.get("synthesis_s"),
+                "distill_s": timings.get("distill_s"),
+                "server_s": timings.get("server_total_s"),
+                # wall time on the server from the runner's start to the end of aggregation
+                "total_s": time.perf_counter() - self.start_time,
+            },
+            "metrics": {k: v for k, v in metrics.items() if k != "timings"},
+            "device": str(self._device()),
+            "backend": getattr(self.args, "backend", None),
+            "training_type": getattr(self.args, "training_type", None),
+            "random_seed": getattr(self.args, "random_seed", None),
+            "checkpoint": str(ckpt),
+            "model": meta,
+            "config": {
+                "fedmitr_args": cfg.to_dict(),
+                "train_args": {k: getattr(self.train_config, k) for k in
+                               ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "momentum",
+                                "augment", "flip", "label_smoothing")},
+                "data": info.to_dict() if info is not None else None,
+                "yaml_config_file": getattr(self.args, "yaml_config_file", None),
+            },
+        }
+        path = out / SUMMARY_NAME
+        tmp = out / (SUMMARY_NAME + ".tmp")
+        with open(tmp, "w") as fh:
+            json.dump(summary, fh, indent=2, default=_json_default)
+        os.replace(tmp, path)
+        self.summary = summary
+        log.info("server: wrote %s and %s", path, ckpt)
+        line = (f"{self.method_name}: test_acc={_fmt(summary['test_acc'])} "
+                f"ensemble_acc={_fmt(summary['ensemble_acc'])} clients={len(uploads)} "
+                f"num_synthetic={summary['num_synthetic']} total_s={summary['timings']['total_s']:.1f} "
+                f"summary={path}")
+        print_result_line(line)
+        return summary
+
+
+def print_result_line(line: str) -> None:
+    """Write one line to the real stdout (FedML's init_logs turns ``sys.stdout.write`` into a logger)."""
+    stream = sys.__stdout__
+    if stream is None:
+        return
+    try:
+        type(stream).write(stream, line + "\n")  # the class's write, not FedML's replacement
+        stream.flush()
+    except Exception:  # no usable stdout (daemonised): the log has the numbers
+        pass
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None else f"{v:.4f}"
+
+
+def _json_default(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    return str(obj)

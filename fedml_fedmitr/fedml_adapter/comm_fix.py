@@ -1,0 +1,133 @@
+"""Targeted fixes of FedML 0.9.6's receive loops (applied by the plugin's runner only).
+
+GRPC busy-spin: ``GRPCCommManager.message_handling_subroutine`` loops on
+``while self.is_running: if message_q.qsize() > 0: ...`` with its ``time.sleep`` *outside* the
+loop, so every idle party (a client waiting for the global model, the server waiting for
+uploads) burns a full core. On a small machine the idle clients starve the server's long
+one-shot ``aggregate()``. :func:`apply_grpc_fix` replaces that one method with a blocking
+``queue.get(timeout=...)`` loop that handles messages exactly as FedML does (same unpickling,
+same sender-address bookkeeping, same observer calls, same lock).
+
+MPI: ``MpiCommunicationManager.handle_receive_message`` polls its queue every 0.1 ms, and its
+``_free_q`` calls ``q.get_no_wait()`` (a typo: ``AttributeError`` if a message is still queued
+at shutdown). :func:`apply_mpi_fix` gives the loop a blocking get and fixes the typo.
+
+Both patches are idempotent and change only those methods.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import queue
+import time
+
+log = logging.getLogger("fedml_fedmitr")
+
+POLL_S = 0.05  # how often a blocked loop re-checks its stop flag
+
+
+def _grpc_message_handling_subroutine(self):
+    from fedml.core.distributed.communication.grpc import grpc_comm_manager as gcm
+    from fedml.core.mlops.mlops_profiler_event import MLOpsProfilerEvent
+
+    start_listening_time = time.time()
+    MLOpsProfilerEvent.log_to_wandb({"ListenStart": start_listening_time})
+    message_q = self.grpc_servicer.message_q
+    while self.is_running:
+        try:
+            msg_pkl = message_q.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+        gcm.lock.acquire()
+        try:
+            busy_time_start_time = time.time()
+            msg = pickle.loads(msg_pkl)
+            msg_type = msg.get_type()
+            sender_id = int(msg.get_sender_id())
+            if sender_id not in self.grpc_mappings:
+                params = msg.get_params()
+                sender_ip = str(params[gcm.GRPCCommManager.MSG_ARG_KEY_SENDER_IP])
+                self.grpc_mappings[sender_id] = gcm.GRPCMapping(
+                    eid=sender_id,
+                    rank=int(params[gcm.GRPCCommManager.MSG_ARG_KEY_SENDER_RANK]),
+                    grpc_server_ip=sender_ip,
+                    grpc_server_port=int(params[gcm.GRPCCommManager.MSG_ARG_KEY_SENDER_PORT]),
+                    ingress_ip=sender_ip)
+            for observer in list(self._observers):
+                observer.receive_message(msg_type, msg)
+            MLOpsProfilerEvent.log_to_wandb({"BusyTime": time.time() - busy_time_start_time})
+        finally:
+            gcm.lock.release()
+    MLOpsProfilerEvent.log_to_wandb({"TotalTime": time.time() - start_listening_time})
+
+
+_grpc_message_handling_subroutine.__fedmitr_fix__ = True
+
+
+def apply_grpc_fix() -> None:
+    from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
+
+    if not getattr(GRPCCommManager.message_handling_subroutine, "__fedmitr_fix__", False):
+        GRPCCommManager.__fedmitr_original_subroutine__ = GRPCCommManager.message_handling_subroutine
+        GRPCCommManager.message_handling_subroutine = _grpc_message_handling_subroutine
+        log.debug("fedml_fedmitr: GRPC receive loop now blocks instead of spinning")
+
+
+def remove_grpc_fix() -> None:
+    """Restore FedML's original GRPC loop (for tests that demonstrate the bug)."""
+    from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
+
+    original = GRPCCommManager.__dict__.get("__fedmitr_original_subroutine__")
+    if original is not None:
+        GRPCCommManager.message_handling_subroutine = original
+
+
+def _mpi_handle_receive_message(self):
+    from fedml.core.mlops.mlops_profiler_event import MLOpsProfilerEvent
+
+    self._notify_connection_ready()
+    start_listening_time = time.time()
+    MLOpsProfilerEvent.log_to_wandb({"ListenStart": start_listening_time})
+    while not self._stop_running:
+        try:
+            msg_params = self.q_receiver.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+        message_handler_start_time = time.time()
+        self.notify(msg_params)
+        MLOpsProfilerEvent.log_to_wandb({"BusyTime": time.time() - message_handler_start_time})
+    MLOpsProfilerEvent.log_to_wandb({"TotalTime": time.time() - start_listening_time})
+    logging.info("Handle receive message stopped!")
+
+
+_mpi_handle_receive_message.__fedmitr_fix__ = True
+
+
+def _mpi_free_q(self, q):
+    if q is None:
+        return
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return
+        q.task_done()
+
+
+_mpi_free_q.__fedmitr_fix__ = True
+
+
+def apply_mpi_fix() -> None:
+    from fedml.core.distributed.communication.mpi.com_manager import MpiCommunicationManager
+
+    if not getattr(MpiCommunicationManager.handle_receive_message, "__fedmitr_fix__", False):
+        MpiCommunicationManager.handle_receive_message = _mpi_handle_receive_message
+        MpiCommunicationManager._free_q = _mpi_free_q
+        log.debug("fedml_fedmitr: MPI receive loop now blocks instead of polling")
+
+
+def apply_all(backend: str) -> None:
+    if backend == "GRPC":
+        apply_grpc_fix()
+    elif backend == "MPI":
+        apply_mpi_fix()

@@ -1,0 +1,203 @@
+"""Reading the plugin's settings out of a FedML YAML file / ``args`` namespace.
+
+FedML flattens every YAML section into one ``args`` namespace, so the ``fedmitr_args`` section is
+read from the YAML file itself (``args.yaml_config_file``) and a key that another section also
+uses is refused (it would silently overwrite, or be overwritten by, that section's value).
+
+Everything here is FedML-free and fast, so the CLI validates a config before importing FedML.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Dict, Mapping, Optional
+
+import yaml
+
+from ..core.config import ClientTrainConfig, ConfigError, FedMITRConfig
+
+SECTION = "fedmitr_args"
+DATASETS = ("digits", "npz", "cifar10")
+PARTITIONS = ("hetero", "pathological", "homo")
+
+
+def load_yaml(path) -> Dict[str, Any]:
+    """The YAML file as a mapping of sections; ConfigError naming the file otherwise."""
+    if not path:
+        raise ConfigError("no configuration file: pass --cf CONFIG.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"configuration file {str(path)!r} does not exist")
+    try:
+        with open(path, "r") as stream:
+            data = yaml.safe_load(stream)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"configuration file {str(path)!r} is not valid YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"configuration file {str(path)!r} must be a mapping of sections "
+                          f"(common_args:, data_args:, ...), got {type(data).__name__}")
+    for name, section in data.items():
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: section {name!r} must be a mapping of keys, got {type(section).__name__}")
+    return data
+
+
+def flatten(sections: Mapping[str, Any]) -> Dict[str, Any]:
+    """FedML's flattening of the sections into one namespace (later sections win)."""
+    out: Dict[str, Any] = {}
+    for section in sections.values():
+        out.update(section or {})
+    return out
+
+
+def fedmitr_section(sections: Mapping[str, Any], path: str = "") -> Dict[str, Any]:
+    """The ``fedmitr_args`` mapping, after refusing keys that another section also sets."""
+    own = dict(sections.get(SECTION) or {})
+    for key in own:
+        for name, section in sections.items():
+            if name != SECTION and isinstance(section, dict) and key in section:
+                raise ConfigError(
+                    f"{SECTION}.{key} is also set in {name}.{key}{' of ' + path if path else ''}: FedML "
+                    f"flattens all sections into one namespace, so the two would overwrite each other; "
+                    f"remove one of them")
+    return own
+
+
+def read_fedmitr_config(args) -> FedMITRConfig:
+    """:class:`FedMITRConfig` from the ``fedmitr_args`` section of ``args.yaml_config_file``.
+
+    Programmatic use without a YAML file: a dict in ``args.fedmitr_args`` is used instead.
+    """
+    cached = getattr(args, "fedmitr_config", None)
+    if isinstance(cached, FedMITRConfig):
+        return cached
+    path = getattr(args, "yaml_config_file", "") or ""
+    if path:
+        values = fedmitr_section(load_yaml(path), path)
+    else:
+        values = getattr(args, SECTION, None) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"args.{SECTION} must be a mapping, got {type(values).__name__}")
+    return FedMITRConfig.from_dict(values, where=SECTION)
+
+
+def _int(args, key: str, default=None, minimum: Optional[int] = None, section: str = "train_args") -> int:
+    value = getattr(args, key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ConfigError(f"{section}.{key} = {value!r} is invalid: expected an integer")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{section}.{key} = {value!r} is invalid: expected an integer >= {minimum}")
+    return value
+
+
+def _float(args, key: str, default=None, section: str = "train_args", minimum: float = 0.0,
+           strict: bool = False) -> float:
+    value = getattr(args, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{section}.{key} = {value!r} is invalid: expected a number")
+    if (strict and not value > minimum) or value < minimum:
+        raise ConfigError(f"{section}.{key} = {value!r} is invalid: expected a number "
+                          f"{'>' if strict else '>='} {minimum}")
+    return float(value)
+
+
+def _bool(args, key: str, default: bool, section: str = "train_args") -> bool:
+    value = getattr(args, key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{section}.{key} = {value!r} is invalid: expected true or false")
+    return value
+
+
+OPTIMIZER_ALIASES = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
+
+
+def client_train_config(args) -> ClientTrainConfig:
+    """FedML's ``train_args`` (epochs, batch_size, learning_rate, client_optimizer, weight_decay,
+    and the plugin's optional momentum, client_augment, client_flip, label_smoothing)."""
+    opt = getattr(args, "client_optimizer", "adamw")
+    if not isinstance(opt, str) or opt.lower() not in OPTIMIZER_ALIASES:
+        raise ConfigError(f"train_args.client_optimizer = {opt!r} is invalid: expected 'adamw', 'adam' or 'sgd'")
+    cfg = ClientTrainConfig(
+        epochs=_int(args, "epochs", 10, 1),
+        batch_size=_int(args, "batch_size", 32, 1),
+        lr=_float(args, "learning_rate", 1e-3, strict=True),
+        optimizer=OPTIMIZER_ALIASES[opt.lower()],
+        weight_decay=_float(args, "weight_decay", 0.0),
+        momentum=_float(args, "momentum", 0.9),
+        augment=_bool(args, "client_augment", True),
+        flip=_bool(args, "client_flip", True),
+        label_smoothing=_float(args, "label_smoothing", 0.0),
+    )
+    if cfg.label_smoothing >= 1.0:
+        raise ConfigError(f"train_args.label_smoothing = {cfg.label_smoothing!r} is invalid: expected [0, 1)")
+    return cfg.validate("train_args")
+
+
+def check_run_args(args) -> None:
+    """Validate the FedML keys the one-shot flow relies on (raises ConfigError naming the key)."""
+    _int(args, "client_num_in_total", None, 1, "train_args")
+    per_round = getattr(args, "client_num_per_round", None)
+    if per_round is not None:
+        _int(args, "client_num_per_round", None, 1, "train_args")
+    comm_round = getattr(args, "comm_round", 1)
+    if comm_round not in (1, None):
+        raise ConfigError(f"train_args.comm_round = {comm_round!r} is invalid: the one-shot methods of this "
+                          "plugin run exactly one communication round (comm_round: 1)")
+    seed = getattr(args, "random_seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"common_args.random_seed = {seed!r} is invalid: expected an integer")
+
+
+def check_data_args(args) -> None:
+    """Static checks of the plugin's data keys (before anything is loaded)."""
+    name = getattr(args, "dataset", None)
+    if name not in DATASETS:
+        raise ConfigError(f"data_args.dataset = {name!r} is invalid: the plugin's loader knows "
+                          f"{', '.join(DATASETS)} (a stock FedML main.py can pass any dataset of its own)")
+    method = getattr(args, "partition_method", "hetero")
+    if method not in PARTITIONS:
+        raise ConfigError(f"data_args.partition_method = {method!r} is invalid: expected one of "
+                          f"{', '.join(PARTITIONS)}")
+    if method == "hetero":
+        _float(args, "partition_alpha", 0.5, "data_args", strict=True)
+    if method == "pathological":
+        _int(args, "classes_per_client", 2, 1, "data_args")
+    _int(args, "partition_min_size", 10, 1, "data_args")
+    frac = getattr(args, "test_fraction", 0.2)
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac < 1.0:
+        raise ConfigError(f"data_args.test_fraction = {frac!r} is invalid: expected a number in (0, 1)")
+    if name == "npz":
+        path = getattr(args, "npz_path", None)
+        if not path or not isinstance(path, str):
+            raise ConfigError("data_args.npz_path is required for dataset: npz (an .npz archive with "
+                              "x_train, y_train, x_test, y_test)")
+        if not os.path.isfile(os.path.expanduser(path)):
+            raise ConfigError(f"data_args.npz_path = {path!r}: no such file")
+    if name == "cifar10":
+        root = getattr(args, "data_cache_dir", None)
+        if not root or not isinstance(root, str):
+            raise ConfigError("data_args.data_cache_dir is required for dataset: cifar10 (the folder that "
+                              "holds cifar-10-batches-py)")
+
+
+def check_model_args(args) -> None:
+    import timm
+    from ..core import models as _models  # noqa: F401  (registers the fedmitr_vit_* presets)
+
+    name = getattr(args, "model", None)
+    if not isinstance(name, str) or not timm.is_model(name):
+        raise ConfigError(f"model_args.model = {name!r} is invalid: expected a timm ViT name such as "
+                          f"fedmitr_vit_micro, fedmitr_vit_tiny, vit_tiny_patch16_224")
+    _int(args, "img_size", 16, 1, "model_args")
+    if getattr(args, "patch_size", None) is not None:
+        _int(args, "patch_size", None, 1, "model_args")
+    _bool(args, "pretrained", False, "model_args")
+    path = getattr(args, "pretrained_path", None)
+    if path and not os.path.isfile(os.path.expanduser(str(path))):
+        raise ConfigError(f"model_args.pretrained_path = {path!r}: no such file")

@@ -1,0 +1,56 @@
+"""Model factory for FedML runs: a timm class-token ViT from ``model_args``.
+
+``model_args``: ``model`` (a timm name, e.g. ``fedmitr_vit_micro``), ``img_size``, ``patch_size``
+(optional: the model's default otherwise), ``pretrained`` (timm's published weights, needs
+network), ``pretrained_path`` (a local checkpoint), ``in_chans`` (optional: the data's channels).
+
+The model is built right after seeding torch with ``random_seed``, so every process of a run
+(server and each client) builds the same initial weights: one shared initialisation.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+from ..core.models import check_vit, create_vit
+
+log = logging.getLogger("fedml_fedmitr")
+
+
+def create_model(args, output_dim: int) -> nn.Module:
+    """The ViT of ``model_args`` with ``output_dim`` classes (ModelError for a non-ViT)."""
+    info = getattr(args, "fedmitr_data_info", None)
+    in_chans = getattr(args, "in_chans", None)
+    if in_chans is None:
+        in_chans = info.input_shape[0] if info is not None else 3
+    img_size = int(getattr(args, "img_size", info.input_shape[1] if info is not None else 224))
+    torch.manual_seed(int(getattr(args, "random_seed", 0)))
+    model = create_vit(args.model, img_size=img_size, num_classes=int(output_dim), in_chans=int(in_chans),
+                       patch_size=getattr(args, "patch_size", None),
+                       pretrained=bool(getattr(args, "pretrained", False)),
+                       pretrained_path=getattr(args, "pretrained_path", None) or None)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model: %s, img_size %d, patch %s, %d channels, %d classes, %.2fM parameters", args.model,
+             img_size, model.patch_embed.patch_size[0], in_chans, output_dim, n_params / 1e6)
+    return model
+
+
+def model_meta(model: nn.Module, args=None) -> Dict[str, Any]:
+    """What :func:`fedml_fedmitr.core.models.load_global_model` needs to rebuild ``model``."""
+    vit = check_vit(model)
+    cfg = getattr(vit, "pretrained_cfg", None) or {}
+    name = cfg.get("architecture")  # set by timm.create_model
+    if not isinstance(name, str) and args is not None and isinstance(getattr(args, "model", None), str):
+        name = args.model
+    pe = vit.patch_embed
+    return {"model": name, "img_size": int(pe.img_size[0]), "num_classes": int(vit.num_classes),
+            "in_chans": int(pe.proj.in_channels), "patch_size": int(pe.patch_size[0])}
+
+
+def input_shape_of(model: nn.Module):
+    vit = check_vit(model)
+    pe = vit.patch_embed
+    return (int(pe.proj.in_channels), int(pe.img_size[0]), int(pe.img_size[1]))
