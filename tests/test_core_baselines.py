@@ -1,6 +1,7 @@
 """Generator baselines (DENSE, Co-Boosting, FedFTG): generator, losses, and tiny end-to-end runs.
 
-The digits accuracy check is slow (~2 minutes on 2 cores): it runs only with FEDMITR_SLOW=1.
+The digits accuracy check is slow (about 4.5 minutes on one core; seen: ensemble 0.897, FedAvg 0.178,
+DENSE 0.575, Co-Boosting 0.450, FedFTG 0.358): it runs only with FEDMITR_SLOW=1.
 """
 import math
 import os
