@@ -1,0 +1,88 @@
+"""The stock FedML path: a user's main.py (fedml.init, get_device, their own dataset and timm
+ViT, FedMLRunner(...).run()) gains federated_optimizer: FedMITR by ``import fedml_fedmitr``;
+the registration patches only FedMLRunner's two _init_*_runner methods; a model that is not a
+class-token ViT is refused with a clear message; the core never imports FedML."""
+from __future__ import annotations
+
+import textwrap
+
+from conftest import PYTHON, ROOT, check_summary, child_env, read_summary, tiny_config, write_yaml
+
+
+def test_stock_main_py_with_fedmitr(tmp_path, tmp_home, procs):
+    out = tmp_path / "out"
+    cfg = tiny_config(out, data_args={"dataset": "my_digits", "data_cache_dir": None, "partition_method": None,
+                                      "partition_alpha": None},
+                      model_args={"model": "vit_tiny_patch16_224"})
+    path = write_yaml(tmp_path / "stock.yaml", cfg)
+    p = procs.start([PYTHON, ROOT / "examples" / "stock_main" / "main.py", "--cf", path], child_env(tmp_home))
+    rc = p.wait(timeout=240)
+    assert rc == 0, p.output()[-5000:]
+    summary = read_summary(out)
+    check_summary(summary, "FedMITR", clients=2, dataset="my_digits")
+    assert summary["model"]["model"] == "vit_tiny_patch16_224"
+    # no data info from the plugin's loader: the pixel range was estimated from the test set
+    assert "pixel range observed" in p.output()
+
+
+REGISTRATION = textwrap.dedent(r'''
+    import sys
+    from types import SimpleNamespace
+    import fedml_fedmitr
+    import fedml_fedmitr.core.methods, fedml_fedmitr.core.client, fedml_fedmitr.data
+    import fedml_fedmitr.fedml_adapter.config
+    assert "fedml" not in sys.modules, "importing the plugin or its core imported fedml"
+    assert any(type(f).__name__ == "_FedMLImportHook" for f in sys.meta_path)
+
+    import fedml  # the import hook registers the plugin now
+    from fedml.runner import FedMLRunner
+    import fedml.core.mlops as mlops
+    assert not any(type(f).__name__ == "_FedMLImportHook" for f in sys.meta_path)
+    for name in ("_init_simulation_runner", "_init_cross_silo_runner"):
+        assert getattr(getattr(FedMLRunner, name), "__fedmitr_original__", None) is not None, name
+    assert getattr(mlops.fetch_config, "__fedmitr_offline__", False)
+    assert FedMLRunner.run.__module__ == "fedml.runner"  # nothing else patched
+
+    # a FedML name still goes to FedML's own code (here: its "no such backend" error)
+    try:
+        FedMLRunner(SimpleNamespace(training_type="simulation", backend="bogus", federated_optimizer="FedAvg"),
+                    "cpu", None, None)
+    except Exception as exc:
+        assert "not such backend bogus" in str(exc), exc
+    else:
+        raise AssertionError("FedAvg did not reach FedML")
+
+    # a model the method cannot use is refused before anything runs
+    import torch
+    from fedml_fedmitr.core.models import ModelError
+    args = SimpleNamespace(training_type="simulation", backend="sp", federated_optimizer="FedMITR",
+                           yaml_config_file="", client_num_in_total=2, comm_round=1, random_seed=0)
+    cnn = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.Flatten(), torch.nn.LazyLinear(10))
+    try:
+        FedMLRunner(args, torch.device("cpu"), [0] * 8, cnn)
+    except ModelError as exc:
+        print("REFUSED:", exc)
+    else:
+        raise AssertionError("a CNN was accepted")
+    # an unknown optimizer name through the plugin's own runner
+    from fedml_fedmitr.fedml_adapter.runner import FedMITRRunner
+    args.federated_optimizer = "FedMagic"
+    try:
+        FedMITRRunner(args, torch.device("cpu"), [0] * 8, cnn)
+    except ValueError as exc:
+        print("UNKNOWN:", exc)
+    print("OK")
+''')
+
+
+def test_registration_hook_and_model_check(tmp_path, tmp_home, procs):
+    script = tmp_path / "check.py"
+    script.write_text(REGISTRATION)
+    p = procs.start([PYTHON, script], child_env(tmp_home))
+    rc = p.wait(timeout=120)
+    assert rc == 0, p.output()[-4000:]
+    assert "OK" in p.stdout
+    refused = [l for l in p.stdout.splitlines() if l.startswith("REFUSED:")][0]
+    assert "not a timm VisionTransformer" in refused and "class-token ViT" in refused
+    unknown = [l for l in p.stdout.splitlines() if l.startswith("UNKNOWN:")][0]
+    assert "'FedMagic'" in unknown and "FedMITR" in unknown
