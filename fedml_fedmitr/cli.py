@@ -103,6 +103,9 @@ def run(cmd) -> int:
         cmd.role = "server" if cmd.rank == 0 else "client"
     cmd.using_mlops = False
     args = Arguments(cmd)  # loads the YAML like FedML's load_arguments, from our parsed command line
+    if not hasattr(args, "log_file_dir"):
+        # FedML's log set-up creates ./logs in the working directory unless told otherwise
+        args.log_file_dir = os.path.join(os.path.expanduser("~"), ".fedml", "fedml_fedmitr", "logs")
     mpi = getattr(args, "backend", None) == "MPI"
     try:
         args = fedml.init(args, check_env=bool(getattr(args, "using_mlops", False)))

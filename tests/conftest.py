@@ -164,13 +164,14 @@ class Proc:
 
 
 @pytest.fixture
-def procs():
-    """Start processes with ``procs.start(cmd, env, ...)``; all are killed at the end of the test."""
+def procs(tmp_path):
+    """Start processes with ``procs.start(cmd, env, ...)`` (working directory: the test's tmp_path);
+    all are killed at the end of the test."""
     started = []
 
     class Starter:
         def start(self, cmd, env, cwd=None, log_path=None) -> Proc:
-            p = Proc(cmd, env, cwd, log_path)
+            p = Proc(cmd, env, cwd or tmp_path, log_path)
             started.append(p)
             return p
 
