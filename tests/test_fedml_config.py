@@ -126,3 +126,17 @@ def test_npz_dataset(tmp_path):
 def test_cifar10_without_files_names_the_folder(tmp_path):
     with pytest.raises(DataError, match="cifar-10-batches-py"):
         load_data(_args(dataset="cifar10", data_cache_dir=str(tmp_path)))
+
+
+def test_shipped_configs_validate(tmp_home):
+    from conftest import ROOT
+
+    (tmp_home / "fedml_data").mkdir()
+    np.savez(tmp_home / "fedml_data" / "cifar10_small.npz", x_train=np.zeros((2, 32, 32, 3), np.uint8),
+             y_train=np.zeros(2, np.int64), x_test=np.zeros((2, 32, 32, 3), np.uint8), y_test=np.zeros(2, np.int64))
+    configs = sorted((ROOT / "config").rglob("*.yaml"))
+    configs = [c for c in configs if c.name != "gpu_mapping.yaml"]
+    assert len(configs) >= 7, configs
+    for path in configs:
+        sections, flat = validate(str(path))
+        assert flat.comm_round == 1, path

@@ -89,7 +89,9 @@ class FedMITRServerAggregator(ServerAggregator):
     def test(self, test_data, device, args):
         if test_data is None:
             return None
-        res = evaluate_model(self.model, test_data, device or self._device(), self.model.num_classes)
+        device = torch.device(device) if device is not None else self._device()
+        self.model.to(device)
+        res = evaluate_model(self.model, test_data, device, self.model.num_classes)
         log.info("server: global model accuracy %.4f on %d test images", res["acc"], res["num_samples"])
         return res["acc"], res["loss"], None, None
 
