@@ -69,11 +69,11 @@ class _FedMLImportHook(importlib.abc.MetaPathFinder):
         loader = spec.loader
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        _remove_hook()
         original_exec = loader.exec_module
 
         def exec_module(module):
             original_exec(module)
+            _remove_hook()  # only once fedml really ran (find_spec alone may be a mere probe)
             register()
 
         # wrap only this module's execution; the loader object belongs to this spec alone
