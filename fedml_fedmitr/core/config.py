@@ -66,8 +66,6 @@ class FedMITRConfig:
     ensemble_aggregate: str = "mean"    # "mean", or the robust "median" / "trimmed_mean"
     trim_fraction: float = 0.2          # fraction trimmed at each end for "trimmed_mean"
     ensemble_batched: str = "auto"      # "vmap", "loop", or "auto" (vmap on GPU, loop on CPU)
-    drop_degenerate_clients: bool = False  # robust: drop clients that disagree with the rest
-    degenerate_agreement: float = 0.2   # min. agreement with the ensemble to keep a client
 
     # ---- DENSE / Co-Boosting / FedFTG generator baselines ----
     gen_nz: int = 256                   # generator latent size
@@ -153,8 +151,6 @@ class FedMITRConfig:
             bad("prune_ratio", "a number in (0, 1)")
         if not (0.0 <= self.trim_fraction < 0.5):
             bad("trim_fraction", "a number in [0, 0.5)")
-        if not (0.0 <= self.degenerate_agreement <= 1.0):
-            bad("degenerate_agreement", "a number in [0, 1]")
         b = self.inversion_betas
         if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
             bad("inversion_betas", "two numbers in [0, 1)")

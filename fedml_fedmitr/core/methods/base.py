@@ -138,6 +138,7 @@ class ServerMethod(abc.ABC):
         self.timings["server_total_s"] = time.perf_counter() - start
         metrics["timings"] = dict(self.timings)
         metrics["method"] = self.name
+        metrics["clients_used"] = [int(u.client_id) for u in self.uploads]
         return ServerResult(model=model, metrics=metrics)
 
     def prepare(self, uploads: Sequence[ClientUpload], ctx: ServerContext) -> None:
