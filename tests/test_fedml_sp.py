@@ -33,7 +33,8 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 def test_sp_end_to_end_offline(tmp_path, tmp_home, procs):
     out = tmp_path / "out"
     cfg = write_yaml(tmp_path / "sp.yaml", tiny_config(out, train_args={"client_num_in_total": 3,
-                                                                           "client_num_per_round": 3}))
+                                                                           "client_num_per_round": 3},
+                                                       fedmitr_args={"save_images": True}))
     guard = tmp_path / "netguard.py"
     guard.write_text(NETGUARD)
     net_log = tmp_path / "net.json"
@@ -69,3 +70,13 @@ def test_sp_end_to_end_offline(tmp_path, tmp_home, procs):
     # offline: no connection attempt and no DNS lookup at all (FedML's cloud fetch_config is bypassed)
     events = json.loads(net_log.read_text())
     assert events == [], events
+    # pictures and metrics a researcher expects (issue: show the work)
+    from PIL import Image
+    for name in ("label_distribution", "synthetic_grid", "synthetic_masks"):
+        path = Path(summary["pictures"][name])
+        assert path.is_file(), name
+        Image.open(path).verify()
+    history = json.loads((out / "metrics_history.json").read_text())
+    assert history["inversion/loss"] and history["inversion/kept_tokens"]
+    assert [step for step, _ in history["distill/loss"]] == list(range(len(history["distill/loss"])))
+    assert len(summary["per_class_acc"]["global"]) == 10 and len(summary["per_class_acc"]["ensemble"]) == 10

@@ -31,6 +31,7 @@ from ..core.evaluate import evaluate_model
 from ..core.methods import get_method
 from ..core.methods.base import Callbacks, ClientUpload, ServerContext
 from ..core.models import check_finite, load_state_checked, save_global_model
+from ..report import ReportCallbacks, plot_label_distribution
 from .model import input_shape_of, model_meta
 from .trainer import PAYLOAD_KEY, _cpu_state
 
@@ -148,9 +149,14 @@ class FedMITRServerAggregator(ServerAggregator):
         cfg = self.fedmitr_config
         out = Path(cfg.output_dir)
         pretrained = bool(getattr(self.args, "pretrained", False) or getattr(self.args, "pretrained_path", None))
+        vit = self.model
+        self.callbacks = ReportCallbacks(out, progress=cfg.progress, tensorboard=cfg.tensorboard,
+                                         save_images=cfg.save_images, mean=list(mean), std=list(std),
+                                         grid=tuple(int(g) for g in vit.patch_embed.grid_size),
+                                         patch=tuple(int(p) for p in vit.patch_embed.patch_size), logger=log)
         return ServerContext(model_fn=model_fn, num_classes=int(self.model.num_classes), input_shape=shape,
                              mean=list(mean), std=list(std), device=device, eval_loader=self.test_data,
-                             state_dir=out / "state", callbacks=Callbacks(progress=cfg.progress),
+                             state_dir=out / "state", callbacks=self.callbacks,
                              seed=int(cfg.seed if cfg.seed is not None else getattr(self.args, "random_seed", 0)),
                              pretrained_state=dict(self.template_state) if pretrained else None)
 
@@ -237,6 +243,14 @@ class FedMITRServerAggregator(ServerAggregator):
                 "yaml_config_file": getattr(self.args, "yaml_config_file", None),
             },
         }
+        summary["per_class_acc"] = {"global": metrics.get("per_class_acc"),
+                                    "ensemble": metrics.get("ensemble_per_class_acc")}
+        summary["pictures"] = self.write_pictures(out, uploads)
+        callbacks = getattr(self, "callbacks", None)
+        if callbacks is not None:
+            callbacks.scalars({k: summary[k] for k in ("test_acc", "ensemble_acc", "client_test_acc",
+                                                       "num_synthetic", "timings")})
+            callbacks.close()
         path = out / SUMMARY_NAME
         tmp = out / (SUMMARY_NAME + ".tmp")
         with open(tmp, "w") as fh:
@@ -250,6 +264,22 @@ class FedMITRServerAggregator(ServerAggregator):
                 f"summary={path}")
         print_result_line(line)
         return summary
+
+
+    def write_pictures(self, out: Path, uploads) -> Dict[str, str]:
+        """The label distribution plot, plus the synthetic grids the report callbacks wrote."""
+        pictures: Dict[str, str] = {}
+        if not self.fedmitr_config.save_images:
+            return pictures
+        try:
+            path = plot_label_distribution([u.label_counts for u in uploads], out / "label_distribution.png")
+            pictures["label_distribution"] = str(path)
+        except Exception as exc:  # a plot must never cost the run its results
+            log.warning("server: could not draw the label distribution: %s", exc)
+        for name in ("synthetic_grid", "synthetic_masks"):
+            if (out / f"{name}.png").is_file():
+                pictures[name] = str(out / f"{name}.png")
+        return pictures
 
 
 def print_result_line(line: str) -> None:
