@@ -62,8 +62,10 @@ def class_rows(labels: torch.Tensor, per_class: int) -> List[int]:
 
 
 def save_synthetic_pictures(images: torch.Tensor, labels: torch.Tensor, masks: Optional[torch.Tensor],
-                            mean, std, grid, patch, out_dir: Path, per_class: int = 8) -> List[Path]:
-    """Write ``synthetic_grid.png`` (and ``synthetic_masks.png`` when masks are given)."""
+                            mean, std, grid, patch, out_dir: Path, per_class: int = 8,
+                            min_tile: int = 64) -> List[Path]:
+    """Write ``synthetic_grid.png`` (and ``synthetic_masks.png`` when masks are given); tiles are
+    enlarged (nearest neighbour) to at least ``min_tile`` pixels so small images stay readable."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     order = class_rows(labels, per_class)
@@ -72,14 +74,19 @@ def save_synthetic_pictures(images: torch.Tensor, labels: torch.Tensor, masks: O
     pixels = denormalise(images[order], mean, std)
     nrow = min(per_class, max(1, max((labels == c).sum().item() for c in set(labels.tolist()))))
     pad = 1
+    scale = max(1, -(-min_tile // pixels.shape[-1]))
+
+    def tiles(x: torch.Tensor) -> torch.Tensor:
+        x = x.repeat_interleave(scale, 2).repeat_interleave(scale, 3)
+        return make_grid(_pad_classes(x, labels[order], nrow), nrow=nrow, padding=pad)
+
     written = []
     path = out_dir / "synthetic_grid.png"
-    save_image(make_grid(_pad_classes(pixels, labels[order], nrow), nrow=nrow, padding=pad), path)
+    save_image(tiles(pixels), path)
     written.append(path)
     if masks is not None:
-        over = overlay_masks(pixels, masks[order], grid, patch)
         path = out_dir / "synthetic_masks.png"
-        save_image(make_grid(_pad_classes(over, labels[order], nrow), nrow=nrow, padding=pad), path)
+        save_image(tiles(overlay_masks(pixels, masks[order], grid, patch)), path)
         written.append(path)
     return written
 

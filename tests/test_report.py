@@ -23,7 +23,8 @@ def test_pictures_are_valid_images_with_one_row_per_class(tmp_path):
     labels = torch.arange(20) % 4
     masks = torch.zeros(20, 16, dtype=torch.bool)
     masks[:, :5] = True
-    paths = save_synthetic_pictures(imgs, labels, masks, [0.3], [0.35], (4, 4), (4, 4), tmp_path, per_class=3)
+    paths = save_synthetic_pictures(imgs, labels, masks, [0.3], [0.35], (4, 4), (4, 4), tmp_path, per_class=3,
+                                    min_tile=16)
     assert [p.name for p in paths] == ["synthetic_grid.png", "synthetic_masks.png"]
     grid = pil_to_tensor(Image.open(paths[0]))
     # 4 classes x 3 per class, 16 px tiles, padding 1: (4*17+1) x (3*17+1)
@@ -64,7 +65,7 @@ def test_report_callbacks_write_history_and_tensorboard(tmp_path):
     assert [e.value for e in acc.Scalars("inversion/loss")] == [2.5, 1.5]
     assert (tmp_path / "synthetic_grid.png").is_file()
     # 3 classes seen, at most 2 per class kept
-    assert tuple(pil_to_tensor(Image.open(tmp_path / "synthetic_grid.png")).shape) == (3, 3 * 17 + 1, 2 * 17 + 1)
+    assert tuple(pil_to_tensor(Image.open(tmp_path / "synthetic_grid.png")).shape) == (3, 3 * 65 + 1, 2 * 65 + 1)  # tiles enlarged to 64 px
 
 
 def test_denormalise_makes_three_channels_in_range():
