@@ -1,0 +1,129 @@
+"""Smoke test of benchmarks/compare.py: digits, 3 clients, tiny scale, two methods, one seed.
+
+The first invocation trains the clients and the central model and runs each method in its own
+child process; the second must reuse everything from the cache (no retraining)."""
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, ROOT, child_env
+
+SCRIPT = ROOT / "benchmarks" / "compare.py"
+METHODS = ["OneShotFedAvg", "FedMITR"]
+NAME = "compare_digits_hetero-a0.5_K3_scratch_tiny"
+
+
+def load_compare():
+    spec = importlib.util.spec_from_file_location("bench_compare", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(procs, home, tmp_path, log_name):
+    cmd = [PYTHON, str(SCRIPT), "--dataset", "digits", "--clients", "3", "--scale", "tiny", "--seeds", "0",
+           "--methods", *METHODS, "--jobs", "2", "--cache-dir", str(tmp_path / "cache"),
+           "--results-dir", str(tmp_path / "results")]
+    p = procs.start(cmd, child_env(home), log_path=tmp_path / log_name)
+    rc = p.wait(timeout=170)
+    out = p.output()
+    assert rc == 0, out[-4000:]
+    return out
+
+
+def test_compare_smoke_schema_table_and_cached_clients(procs, tmp_home, tmp_path):
+    t = time.perf_counter()
+    out = run(procs, tmp_home, tmp_path, "first.log")
+    first_s = time.perf_counter() - t
+    json_path = tmp_path / "results" / f"{NAME}.json"
+    md_path = tmp_path / "results" / f"{NAME}.md"
+    assert json_path.is_file() and md_path.is_file(), out[-2000:]
+    result = json.loads(json_path.read_text())
+
+    # ---- settings ----
+    st = result["settings"]
+    for key in ("dataset", "partition", "alpha", "clients", "seed", "backbone", "scale", "model", "client_train",
+                "central_train", "server", "budget", "student_init"):
+        assert key in st, key
+    assert (st["dataset"], st["partition"], st["alpha"], st["clients"], st["seed"], st["backbone"], st["scale"]) == \
+        ("digits", "hetero", 0.5, 3, [0], "scratch", "tiny")
+    assert st["server"]["num_synthetic"] == st["budget"]["synthetic_images"]
+    assert st["server"]["gen_epochs"] * st["server"]["gen_batch_size"] >= st["server"]["num_synthetic"]
+    assert "how" in st["budget"]
+    assert "compare.py" in result["command"] and "--scale tiny" in result["command"]
+
+    # ---- records: every requested method, then the two references ----
+    records = {r["method"]: r for r in result["records"]}
+    assert [r["method"] for r in result["records"]] == METHODS + ["Ensemble", "Central"]
+    numeric = ["test_acc", "ensemble_acc", "client_acc_mean", "synthesis_s", "images_per_s", "distill_s",
+               "peak_rss_mb"]
+    for m in METHODS:
+        r = records[m]
+        for key in numeric:
+            assert isinstance(r[key], float), (m, key, r[key])
+            assert r[f"{key}_per_seed"] == [pytest.approx(r[key])]
+        assert 0.0 <= r["test_acc"] <= 1.0 and 0.0 <= r["ensemble_acc"] <= 1.0
+        assert r["peak_rss_mb"] > 50
+        assert "errors" not in r
+    assert records["FedMITR"]["num_synthetic"] == st["server"]["num_synthetic"]
+    assert records["FedMITR"]["synthesis_s"] > 0 and records["FedMITR"]["images_per_s"] > 0
+    assert records["FedMITR"]["ensemble_queries"] >= st["budget"]["synthesis_ensemble_queries"]
+    assert records["OneShotFedAvg"]["num_synthetic"] == 0
+    # the same client models under every method: the same ensemble accuracy
+    assert records["FedMITR"]["ensemble_acc"] == pytest.approx(records["Ensemble"]["test_acc"])
+    assert records["OneShotFedAvg"]["ensemble_acc"] == pytest.approx(records["Ensemble"]["test_acc"])
+    assert 0.0 <= records["Central"]["test_acc"] <= 1.0
+    assert len(result["clients"]["0"]["client_acc"]) == 3
+
+    # ---- markdown table, written and printed ----
+    md = md_path.read_text()
+    assert "| method | test acc (%) | ensemble acc (%) | mean client acc (%) | synthesis (s) | images/s | " \
+           "distillation (s) | peak memory (MB) |" in md
+    for name in METHODS + ["Ensemble (reference)", "Central (reference)"]:
+        assert f"| {name} |" in md
+    assert "| FedMITR |" in out
+
+    # ---- second invocation: nothing retrained ----
+    clients_pt = next((tmp_path / "cache").rglob("clients.pt"))
+    mtime = clients_pt.stat().st_mtime_ns
+    t = time.perf_counter()
+    out2 = run(procs, tmp_home, tmp_path, "second.log")
+    second_s = time.perf_counter() - t
+    assert "reusing cached clients" in out2
+    assert "done clients" not in out2 and "done FedMITR" not in out2
+    assert clients_pt.stat().st_mtime_ns == mtime
+    assert second_s < first_s
+    again = json.loads(json_path.read_text())
+    assert again["records"][1]["test_acc"] == records["FedMITR"]["test_acc"]
+
+
+def test_budget_matching_and_seed_aggregation():
+    cmp = load_compare()
+    server = dict(num_synthetic=100, distill_batch_size=32, distill_epochs=3, inversion_iters=40, gen_epochs=4)
+    budget = cmp.derive_budget(server, explicit=[])
+    assert server["gen_batch_size"] == 25 and server["gen_steps"] == 40
+    assert budget["distill_steps"] == 3 * 4 and server["gen_kd_steps"] == 3
+    assert budget["generator_ensemble_queries"] == budget["synthesis_ensemble_queries"] == 4000
+    kept = dict(server, gen_steps=7)
+    cmp.derive_budget(kept, explicit=["gen_steps"])
+    assert kept["gen_steps"] == 7
+
+    per_seed = {"FedMITR": {0: {"test_acc": 0.5, "peak_rss_mb": 100.0}, 2: {"test_acc": 0.7, "peak_rss_mb": 120.0}}}
+    rows = cmp.aggregate_rows(per_seed, ["FedMITR"], [0, 1, 2], {"FedMITR": {1: "exit 1"}})
+    row = rows[0]
+    assert row["test_acc"] == pytest.approx(0.6) and row["test_acc_std"] == pytest.approx(0.1)
+    assert row["test_acc_per_seed"] == [0.5, None, 0.7]
+    assert row["seeds"] == [0, 2] and row["errors"] == {"1": "exit 1"}
+    assert row["synthesis_s"] is None
+    table = cmp.markdown({"name": "x", "command": "python benchmarks/compare.py", "records": rows, "settings": {
+        "partition": "hetero", "alpha": 0.5, "classes_per_client": None, "seed": [0, 1, 2], "data_name": "digits",
+        "num_classes": 10, "clients": 3, "backbone": "scratch", "scale": "tiny", "student_init": "fedavg",
+        "model": {"name": "m", "img_size": 16, "patch_size": 4},
+        "budget": {"synthetic_images": 1, "synthesis_ensemble_queries": 1, "distill_steps": 1,
+                   "distill_batch_size": 1}}})
+    assert "| FedMITR (failed: seed 1) | 60.0 ± 10.0 |" in table
