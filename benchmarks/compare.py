@@ -336,6 +336,10 @@ def build_settings(args: argparse.Namespace) -> Dict[str, Any]:
     elif args.pretrained_path or args.timm_pretrained or args.pretrain_npz or args.public_classes:
         raise SystemExit("--pretrained-path / --timm-pretrained / --pretrain-npz / --public-classes need "
                          "--backbone pretrained")
+    if len(set(args.seeds)) != len(args.seeds):
+        raise SystemExit(f"--seeds {args.seeds}: a seed is given twice")
+    if args.clients < 1 or args.jobs < 1 or args.threads < 1:
+        raise SystemExit("--clients, --jobs and --threads must be >= 1")
     if args.student_init == "pretrained" and args.backbone != "pretrained":
         raise SystemExit("--student-init pretrained needs --backbone pretrained")
 
