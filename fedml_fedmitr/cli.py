@@ -7,24 +7,31 @@ fedml_fedmitr --cf ...`` with ``backend: MPI``; and each party of a cross-silo r
 (``--rank 0 --role server``, ``--rank i --role client``).
 
 The configuration is validated before FedML is imported: an unknown ``federated_optimizer``, an
-unknown or bad ``fedmitr_args`` key, a bad ``train_args`` / ``data_args`` / ``model_args`` value
-exits with status 2 and one line naming the key. Any other failure exits 1 (in an MPI run the
-whole job is aborted so no rank waits forever).
+unknown or bad ``fedmitr_args`` key, a bad ``train_args`` / ``data_args`` / ``model_args`` value, a
+missing or unreadable dataset file, ``class_num`` that disagrees with the data, a partition that
+leaves a client without samples, more client processes than clients, an unwritable ``output_dir``.
+Later user errors (see :mod:`fedml_fedmitr.fedml_adapter.errors`: an upload of another
+architecture or with NaN/Inf, clients missing after ``client_timeout_s``, ...) are treated alike.
 
-Exit status: 0 on success.
+Exit status: 0 on success; 2 on a user error, printed as one line ``fedml_fedmitr: error: ...`` on
+stderr without a stack trace (the server, rank 0, also writes it to ``<output_dir>/error.json``);
+1 on any other failure, with its traceback. In an MPI run a failing rank aborts the whole job with
+that status, so no rank waits forever.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import time
 from types import SimpleNamespace
-from typing import List, Optional
+from typing import Any, List, Mapping, Optional
 
-EXIT_CONFIG = 2
+EXIT_CONFIG = 2  # a user error
 EXIT_FAILURE = 1
+ERROR_NAME = "error.json"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,15 +50,70 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def mpi_env_rank_size():
+    """(rank, size) of this process as mpirun announces it (MPICH/Hydra or Open MPI), else (None, None)."""
+    for rank_key, size_key in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                               ("PMIX_RANK", "PMIX_SIZE")):
+        if os.environ.get(size_key, "").isdigit():
+            rank = os.environ.get(rank_key, "0")
+            return (int(rank) if rank.isdigit() else 0), int(os.environ[size_key])
+    return None, None
+
+
+def _section_of(sections: Mapping[str, Any], key: str, default: str) -> str:
+    for name, section in sections.items():
+        if isinstance(section, dict) and key in section:
+            return f"{name}.{key}"
+    return f"{default}.{key}"
+
+
+def check_processes(sections, flat) -> None:
+    """Client processes must not outnumber clients; ``min_clients`` <= clients; deadlines need GRPC/MPI."""
+    from .core.config import ConfigError
+
+    k = flat.client_num_in_total
+    fcfg = (sections.get("fedmitr_args") or {})
+    min_clients = fcfg.get("min_clients", 1)
+    if isinstance(min_clients, int) and min_clients > k:
+        raise ConfigError(f"fedmitr_args.min_clients = {min_clients} is more than train_args.client_num_in_total = "
+                          f"{k}: expected at most {k}")
+    t, backend = getattr(flat, "training_type", None), getattr(flat, "backend", None)
+    if t == "cross_silo":
+        workers = getattr(flat, "worker_num", None)
+        where = _section_of(sections, "worker_num", "device_args")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"{where} = {workers!r} is invalid: expected the number of client processes (>= 1)")
+        if workers > k:
+            raise ConfigError(f"{where} = {workers} client processes but train_args.client_num_in_total = {k}: "
+                              "every client process must train at least one client (expected worker_num <= "
+                              "client_num_in_total)")
+    if t == "simulation" and backend == "MPI":
+        _, size = mpi_env_rank_size()
+        if size is not None and size - 1 > k:
+            raise ConfigError(f"mpirun started {size} processes (1 server + {size - 1} clients) but "
+                              f"train_args.client_num_in_total = {k}: every client process must train at least one "
+                              f"client (use mpirun -n {k + 1} or fewer, or raise client_num_in_total)")
+    timeout = fcfg.get("client_timeout_s", 0) or 0
+    if timeout and (t == "cross_silo" or backend == "MPI") and backend not in ("GRPC", "MPI"):
+        raise ConfigError(f"fedmitr_args.client_timeout_s = {timeout!r} needs comm_args.backend GRPC or MPI "
+                          f"(got {backend!r}); set it to 0 to wait for every client")
+
+
 def validate(path: str):
     """Read and validate the YAML file without importing FedML. Returns (sections, namespace)."""
+    from .fedml_adapter.config import load_yaml
+
+    return validate_sections(load_yaml(path), path)
+
+
+def validate_sections(sections, path: str):
+    """:func:`validate` of already loaded YAML sections (``path`` names the file in messages)."""
     from .core.config import ConfigError
     from .core.methods import method_names
     from .fedml_adapter.config import (check_data_args, check_model_args, check_run_args,
-                                       client_train_config, fedmitr_section, flatten, load_yaml)
+                                       client_train_config, fedmitr_section, flatten)
     from .core.config import FedMITRConfig
 
-    sections = load_yaml(path)
     flat = SimpleNamespace(**flatten(sections))
     name = getattr(flat, "federated_optimizer", None)
     names = method_names()
@@ -72,7 +134,19 @@ def validate(path: str):
         raise ConfigError(f"comm_args.backend = {backend!r} is invalid for a simulation: expected sp or MPI")
     if getattr(flat, "using_mlops", False) not in (False, None) and not isinstance(flat.using_mlops, bool):
         raise ConfigError(f"common_args.using_mlops = {flat.using_mlops!r} is invalid: expected true or false")
+    check_processes(sections, flat)
     return sections, flat
+
+
+def preflight(sections, flat) -> None:
+    """The checks of :func:`validate` that look at files: the dataset's files, arrays, ``class_num`` and
+    partition (:func:`fedml_fedmitr.data.preflight`), and a writable ``output_dir``. Still FedML-free."""
+    from .core.config import FedMITRConfig
+    from .data import preflight as data_preflight
+    from .fedml_adapter.config import check_output_dir
+
+    data_preflight(flat, class_num_key=_section_of(sections, "class_num", "data_args"))
+    check_output_dir(FedMITRConfig.from_dict(sections.get("fedmitr_args") or {}).output_dir)
 
 
 def _set_threads(flat) -> None:
@@ -85,17 +159,20 @@ def _set_threads(flat) -> None:
 
 
 def run(cmd) -> int:
-    from .core.config import ConfigError
+    from .fedml_adapter.errors import USER_ERRORS
 
+    env_rank, _ = mpi_env_rank_size()
     try:
-        _, flat = validate(cmd.yaml_config_file)
-    except ConfigError as exc:
-        sys.stderr.write(f"fedml_fedmitr: configuration error: {exc}\n")
-        return EXIT_CONFIG
+        sections, flat = validate(cmd.yaml_config_file)
+        preflight(sections, flat)
+    except USER_ERRORS as exc:
+        # under mpirun every rank finds the same error: one of them says it
+        return report_user_error(exc, quiet=env_rank not in (None, 0))
     _set_threads(flat)
 
     import fedml
     from fedml.arguments import Arguments
+    from .fedml_adapter.config import read_fedmitr_config
     from .fedml_adapter.registry import register
 
     register()  # runner routing + offline fetch_config (only while using_mlops is false)
@@ -106,9 +183,16 @@ def run(cmd) -> int:
     if not hasattr(args, "log_file_dir"):
         # FedML's log set-up creates ./logs in the working directory unless told otherwise
         args.log_file_dir = os.path.join(os.path.expanduser("~"), ".fedml", "fedml_fedmitr", "logs")
-    mpi = getattr(args, "backend", None) == "MPI"
+    backend = getattr(args, "backend", None)
+    mpi = backend == "MPI"
+    distributed = mpi or getattr(args, "training_type", None) == "cross_silo"
+    out_dir = read_fedmitr_config(args).output_dir
+    rank = cmd.rank if env_rank is None else env_rank
+    if rank == 0:
+        _clear_error(out_dir)
     try:
         args = fedml.init(args, check_env=bool(getattr(args, "using_mlops", False)))
+        rank = int(getattr(args, "rank", rank) or 0)
         for key in ("gpu_mapping_file", "gpu_mapping_key"):  # FedML's MPI device lookup reads both
             if not hasattr(args, key):
                 setattr(args, key, None)
@@ -119,29 +203,94 @@ def run(cmd) -> int:
         dataset, output_dim = load_data(args)
         model = create_model(args, output_dim)
         fedml.FedMLRunner(args, device, dataset, model).run()
-    except ConfigError as exc:  # includes DataError; ModelError is a ValueError
-        sys.stderr.write(f"fedml_fedmitr: configuration error: {exc}\n")
-        _abort_mpi(mpi, EXIT_CONFIG)
-        return EXIT_CONFIG
-    except Exception:
+    except USER_ERRORS as exc:
+        code = report_user_error(exc, out_dir=out_dir, rank=rank)
+        _abort_mpi(mpi, code)
+        _exit_now(distributed, code)
+        return code
+    except Exception as exc:
         logging.getLogger("fedml_fedmitr").exception("fedml_fedmitr: run failed")
         import traceback
         traceback.print_exc(file=sys.__stderr__)
+        write_error(out_dir, rank, exc, EXIT_FAILURE)
         _abort_mpi(mpi, EXIT_FAILURE)
+        _exit_now(distributed, EXIT_FAILURE)
         return EXIT_FAILURE
     return 0
 
 
-def _abort_mpi(mpi: bool, code: int) -> None:
-    if not mpi:
+def report_user_error(exc: BaseException, out_dir: Optional[str] = None, rank: int = 0, quiet: bool = False) -> int:
+    """Print a user error as one line on stderr (no stack trace); record it in error.json."""
+    from .fedml_adapter.errors import one_line
+
+    if not quiet:
+        _raw_write(sys.__stderr__, f"fedml_fedmitr: error: {one_line(exc)}\n")
+    plog = logging.getLogger("fedml_fedmitr")
+    if plog.handlers or logging.root.handlers:  # into FedML's log too (never Python's last-resort stderr)
+        plog.error("fedml_fedmitr: error: %s", one_line(exc))
+    if out_dir is not None:
+        write_error(out_dir, rank, exc, EXIT_CONFIG)
+    return EXIT_CONFIG
+
+
+def error_path(out_dir: str, rank: int) -> str:
+    """The server (rank 0) writes ``<output_dir>/error.json``, client process r ``clients/error_rank<r>.json``."""
+    if int(rank or 0) == 0:
+        return os.path.join(os.path.expanduser(out_dir), ERROR_NAME)
+    return os.path.join(os.path.expanduser(out_dir), "clients", f"error_rank{int(rank)}.json")
+
+
+def write_error(out_dir: Optional[str], rank: int, exc: BaseException, code: int) -> None:
+    from .fedml_adapter.errors import one_line
+
+    if not out_dir:
+        return
+    record = {"error": one_line(exc), "type": type(exc).__name__, "exit_status": code, "rank": int(rank or 0),
+              "user_error": code == EXIT_CONFIG, "time": time.time()}
+    record.update(getattr(exc, "details", None) or {})
+    path = error_path(out_dir, rank)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as fh:
+            json.dump(record, fh, indent=2, default=str)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def _clear_error(out_dir: Optional[str]) -> None:
+    if out_dir:
+        try:
+            os.remove(error_path(out_dir, 0))
+        except OSError:
+            pass
+
+
+def _raw_write(stream, text: str) -> None:
+    if stream is None:
         return
     try:
-        from mpi4py import MPI
-        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-            sys.__stderr__.flush()
-            MPI.COMM_WORLD.Abort(code)
+        type(stream).write(stream, text)  # the class's write, not FedML's replacement
+        stream.flush()
     except Exception:
         pass
+
+
+def _exit_now(distributed: bool, code: int) -> None:
+    """A failed cross-silo party may still hold backend threads (a GRPC server): end the process."""
+    if not distributed:
+        return
+    for handler in logging.getLogger("fedml_fedmitr").handlers + logging.root.handlers:
+        try:
+            handler.flush()
+        except Exception:
+            pass
+    for stream in (sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

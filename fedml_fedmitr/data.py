@@ -18,6 +18,10 @@ Datasets (``data_args.dataset``):
   read by FedML's own CIFAR-10 loading (``fedml.data.cifar10.data_loader.load_cifar10_data``),
   which never downloads when the files are present; the plugin checks they are there first.
 
+``class_num`` (optional, in any section, e.g. ``data_args``) must equal the number of classes of the
+data (labels ``0..class_num-1``) when it is given. :func:`preflight` checks the files, arrays,
+``class_num`` and the partition (no client without samples) cheaply, before FedML starts.
+
 Images are normalised per channel with the training set's mean and std (CIFAR-10: the published
 ones) and resized to ``img_size`` when they differ. The training set is split among
 ``client_num_in_total`` clients by :func:`fedml_fedmitr.core.partition.partition`
@@ -131,7 +135,35 @@ def load_npz_arrays(path: str):
     return x_tr, y_tr, x_te, y_te
 
 
-def _cifar10(root: str):
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+def npz_labels(path: str):
+    """(y_train, y_test) of an .npz archive, reading only the label arrays; DataError naming what is
+    missing or unreadable (the image arrays are checked to be present, not loaded)."""
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise DataError(f"data_args.npz_path = {path!r}: no such file")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"data_args.npz_path = {path!r} is not readable (permission denied)")
+    try:
+        blob = np.load(path, allow_pickle=False)
+        if not hasattr(blob, "files"):
+            raise ValueError("it holds a single array, not an .npz archive")
+    except Exception as exc:
+        raise DataError(f"data_args.npz_path = {path!r} is not a readable .npz archive: {exc}") from exc
+    with blob:
+        missing = [k for k in NPZ_KEYS if k not in blob.files]
+        if missing:
+            raise DataError(f"{path}: missing array(s) {missing}; an npz dataset needs x_train, y_train, "
+                            f"x_test, y_test (has {sorted(blob.files)})")
+        try:
+            return blob["y_train"].astype(np.int64).reshape(-1), blob["y_test"].astype(np.int64).reshape(-1)
+        except Exception as exc:
+            raise DataError(f"{path}: y_train / y_test cannot be read as integer labels: {exc}") from exc
+
+
+def _cifar10_folder(root: str) -> str:
     root = os.path.expanduser(root)
     folder = os.path.join(root, "cifar-10-batches-py")
     needed = ["data_batch_%d" % i for i in range(1, 6)] + ["test_batch"]
@@ -139,6 +171,74 @@ def _cifar10(root: str):
     if missing:
         raise DataError(f"data_args.data_cache_dir = {root!r}: {folder} lacks {missing} (the torchvision "
                         "CIFAR-10 python files); put them there, the plugin never downloads")
+    return folder
+
+
+def check_class_num(args, y_train, y_test, name: str, where: str = "class_num") -> int:
+    """The number of classes of the data; DataError if ``args.class_num`` says otherwise or a label is < 0."""
+    low = int(min(y_train.min(), y_test.min()))
+    num_classes = int(max(y_train.max(), y_test.max())) + 1
+    if low < 0:
+        raise DataError(f"dataset {name!r} has a negative label ({low}): labels must be 0..class_num-1")
+    given = getattr(args, "class_num", None)
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+            raise DataError(f"{where} = {given!r} is invalid: expected a positive integer")
+        if given != num_classes:
+            raise DataError(f"{where} = {given} disagrees with the data: dataset {name!r} has labels 0..{num_classes - 1}"
+                            f" ({num_classes} classes); set class_num: {num_classes} or remove it")
+    return num_classes
+
+
+def check_shards(shards, name: str, method: str) -> None:
+    empty = [i for i, shard in enumerate(shards) if len(shard) == 0]
+    if empty:
+        raise DataError(f"data_args: client(s) {empty} get an empty training shard of {name} with partition_method "
+                        f"{method!r}: every client needs training data (use fewer clients or another partition)")
+
+
+def _partition(args, y_tr, name: str):
+    k = int(args.client_num_in_total)
+    method = getattr(args, "partition_method", "hetero")
+    try:
+        shards = partition(y_tr, k, method, int(getattr(args, "random_seed", 0)),
+                           alpha=float(getattr(args, "partition_alpha", 0.5)),
+                           classes_per_client=int(getattr(args, "classes_per_client", 2)),
+                           min_size=int(getattr(args, "partition_min_size", 10)))
+    except ValueError as exc:
+        raise DataError(f"data_args: cannot partition {name} ({len(y_tr)} training images) among "
+                        f"{k} clients: {exc}") from exc
+    check_shards(shards, name, method)
+    return shards
+
+
+def preflight(args, class_num_key: str = "class_num") -> None:
+    """Cheap checks of the data before FedML starts (no image is loaded): the dataset files are there
+    and readable with the arrays they need, ``class_num`` agrees with the labels, and the partition
+    gives every client samples. Raises DataError naming the file, key or clients."""
+    from .fedml_adapter.config import check_data_args
+
+    check_data_args(args)
+    name = args.dataset
+    if name == "digits":
+        _, y_tr, _, y_te = _digits(int(getattr(args, "random_seed", 0)), float(getattr(args, "test_fraction", 0.2)))
+    elif name == "npz":
+        y_tr, y_te = npz_labels(args.npz_path)
+        if len(y_tr) == 0 or len(y_te) == 0:
+            raise DataError(f"{args.npz_path}: y_train or y_test is empty")
+    else:
+        _cifar10_folder(args.data_cache_dir)
+        given = getattr(args, "class_num", None)
+        if given is not None and given != 10:
+            raise DataError(f"{class_num_key} = {given!r} disagrees with the data: cifar10 has 10 classes")
+        return
+    check_class_num(args, y_tr, y_te, name, class_num_key)
+    _partition(args, y_tr, name)
+
+
+def _cifar10(root: str):
+    root = os.path.expanduser(root)
+    _cifar10_folder(root)
     from fedml.data.cifar10.data_loader import load_cifar10_data  # FedML's loading, not its partition
 
     x_tr, y_tr, x_te, y_te = load_cifar10_data(root)
@@ -175,7 +275,7 @@ def load_data(args) -> Tuple[list, int]:
         x_tr, y_tr, x_te, y_te = _cifar10(args.data_cache_dir)
         mean, std = list(CIFAR10_MEAN), list(CIFAR10_STD)
 
-    num_classes = int(max(y_tr.max(), y_te.max())) + 1
+    num_classes = check_class_num(args, y_tr, y_te, name)
     xt_tr = _resize(torch.from_numpy(x_tr), img_size)
     xt_te = _resize(torch.from_numpy(x_te), img_size)
     if mean is None:
@@ -196,12 +296,7 @@ def load_data(args) -> Tuple[list, int]:
     method = getattr(args, "partition_method", "hetero")
     alpha = float(getattr(args, "partition_alpha", 0.5))
     cpc = int(getattr(args, "classes_per_client", 2))
-    try:
-        shards = partition(y_tr, k, method, seed, alpha=alpha, classes_per_client=cpc,
-                           min_size=int(getattr(args, "partition_min_size", 10)))
-    except ValueError as exc:
-        raise DataError(f"data_args: cannot partition {name} ({len(y_tr)} training images) among "
-                        f"{k} clients: {exc}") from exc
+    shards = _partition(args, y_tr, name)
 
     batch_size = int(getattr(args, "batch_size", 32))
     train_local_num: Dict[int, int] = {}

@@ -209,3 +209,42 @@ def check_summary(summary: dict, optimizer: str, clients: int, min_acc: float = 
     assert sum(summary["client_test_acc"]) / clients > min_ensemble_acc, summary["client_test_acc"]
     assert Path(summary["checkpoint"]).is_file()
     assert summary["config"]["fedmitr_args"]["output_dir"]
+
+
+# ---- helpers of the robustness tests (tests/test_robust_*.py) ------------------------------------
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition", procs_alive=()):
+    """Poll ``predicate`` until true (returns its value); AssertionError after ``timeout`` s or when one
+    of ``procs_alive`` (Proc objects) exits first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for p in procs_alive:
+            if p.p.poll() is not None:
+                raise AssertionError(f"{what}: process exited with {p.p.returncode} first\n{p.output()[-4000:]}")
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def consecutive_free_ports(n: int) -> int:
+    import random
+
+    for _ in range(50):
+        base = random.randint(20000, 60000)
+        ok = True
+        for port in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free loopback ports")
+
+
+def error_lines(stderr: str):
+    """The ``fedml_fedmitr: error:`` lines of a stderr text."""
+    return [line for line in stderr.splitlines() if line.startswith("fedml_fedmitr: error:")]

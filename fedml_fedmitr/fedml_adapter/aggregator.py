@@ -32,6 +32,9 @@ from ..core.methods import get_method
 from ..core.methods.base import Callbacks, ClientUpload, ServerContext
 from ..core.models import check_finite, load_state_checked, save_global_model
 from ..report import ReportCallbacks, plot_label_distribution
+from . import state as saved_state
+from .checks import check_upload
+from .errors import UserError
 from .model import input_shape_of, model_meta
 from .trainer import PAYLOAD_KEY, _cpu_state
 
@@ -105,24 +108,50 @@ class FedMITRServerAggregator(ServerAggregator):
         return torch.device(dev) if dev is not None else torch.device("cpu")
 
     def uploads_from(self, model_list) -> List[ClientUpload]:
-        uploads, train_s = [], []
+        """Client uploads out of FedML's model list, checked (architecture, NaN/Inf, empty shard)."""
+        uploads, train_s, payloads = [], [], []
         for sample_num, params in model_list:
             if not isinstance(params, dict) or PAYLOAD_KEY not in params:
-                raise ValueError(
+                raise UserError(
                     f"federated_optimizer = {self.method_name!r}: a client sent {type(params).__name__} "
                     "instead of a one-shot upload; clients must run FedMITRClientTrainer "
                     "(import fedml_fedmitr in every party's main.py)")
             for payload in params[PAYLOAD_KEY]:
                 upload = ClientUpload.from_payload(payload)
-                check_finite(upload.state_dict, f"the model of client {upload.client_id}")
+                check_upload(upload, self.template_state)
                 uploads.append(upload)
+                payloads.append(payload)
                 train_s.append(float(payload.get("train_s", 0.0)))
         order = sorted(range(len(uploads)), key=lambda i: uploads[i].client_id)
         ids = [uploads[i].client_id for i in order]
         if len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate client uploads: client ids {ids}")
+            raise UserError(f"duplicate client uploads: client ids {ids} (two clients used the same id)")
         self.train_seconds = [train_s[i] for i in order]
+        self.received_payloads = [payloads[i] for i in order]
         return [uploads[i] for i in order]
+
+    # ---- saved state (see .state): uploads as soon as they are in, then the method's fingerprint ----
+    uploads_file: Optional[str] = None        # set when the uploads were read from a saved file
+    missing_clients: Sequence[int] = ()        # set by the server manager after a client timeout
+
+    def save_received(self) -> None:
+        """Save the received uploads to ``<output_dir>/state/uploads.pt`` (atomically)."""
+        if self.uploads_file is not None:
+            return  # they came from that file
+        path = saved_state.uploads_path(self.fedmitr_config.output_dir)
+        saved_state.save_uploads(path, self.received_payloads, self.missing_clients,
+                                 int(getattr(self.args, "client_num_in_total", 0) or 0) or None,
+                                 saved_state.client_settings(self.args))
+        self.uploads_file = str(path)
+
+    def check_saved_state(self, uploads, ctx: ServerContext) -> None:
+        fp = saved_state.method_fingerprint(self.method_name, self.fedmitr_config, uploads, ctx.seed, ctx.mean,
+                                            ctx.std, ctx.input_shape)
+        saved_state.prepare_method_state(ctx.state_dir, self.method_name, fp, self.fedmitr_config.resume)
+
+    def summary_extra(self) -> Dict[str, Any]:
+        return {"clients_expected": int(getattr(self.args, "client_num_in_total", 0) or 0) or None,
+                "clients_missing": [int(c) for c in self.missing_clients], "uploads_file": self.uploads_file}
 
     def context(self) -> ServerContext:
         device = self._device()
@@ -167,8 +196,10 @@ class FedMITRServerAggregator(ServerAggregator):
             log.warning("server: %d client uploads, client_num_in_total is %d", len(uploads), expected)
         log.info("server: %d client uploads (clients %s); running %s", len(uploads),
                  [u.client_id for u in uploads], self.method_name)
-        ctx = self.context()
         os.makedirs(self.fedmitr_config.output_dir, exist_ok=True)
+        self.save_received()  # before the long work: a killed server resumes from them, no client needed
+        ctx = self.context()
+        self.check_saved_state(uploads, ctx)
         method = get_method(self.method_name)(self.fedmitr_config)
         result = method.run(uploads, ctx)
         self.result = result
@@ -251,6 +282,7 @@ class FedMITRServerAggregator(ServerAggregator):
             callbacks.scalars({k: summary[k] for k in ("test_acc", "ensemble_acc", "client_test_acc",
                                                        "num_synthetic", "timings")})
             callbacks.close()
+        summary.update(self.summary_extra())  # expected / missing clients, saved uploads
         path = out / SUMMARY_NAME
         tmp = out / (SUMMARY_NAME + ".tmp")
         with open(tmp, "w") as fh:

@@ -63,7 +63,39 @@ def fedmitr_section(sections: Mapping[str, Any], path: str = "") -> Dict[str, An
                     f"{SECTION}.{key} is also set in {name}.{key}{' of ' + path if path else ''}: FedML "
                     f"flattens all sections into one namespace, so the two would overwrite each other; "
                     f"remove one of them")
+    check_known_keys(own, path)
     return own
+
+
+def check_known_keys(values: Mapping[str, Any], path: str = "") -> None:
+    """Refuse an unknown ``fedmitr_args`` key, suggesting the known key it probably misspells."""
+    import difflib
+    from dataclasses import fields
+
+    known = sorted(f.name for f in fields(FedMITRConfig))
+    for key in values:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else f"accepted keys are: {', '.join(known)}"
+        raise ConfigError(f"{SECTION}: unknown key {key!r}{' in ' + path if path else ''}; {hint}")
+
+
+def check_output_dir(path: Any, key: str = f"{SECTION}.output_dir") -> None:
+    """``output_dir`` must be a writable directory or creatable in one (nothing is created here)."""
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"{key} = {path!r} is invalid: expected a folder path")
+    target = os.path.abspath(os.path.expanduser(path))
+    probe = target
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{key} = {path!r} is not writable: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key} = {path!r} is not writable: no write permission on {probe}")
 
 
 def read_fedmitr_config(args) -> FedMITRConfig:

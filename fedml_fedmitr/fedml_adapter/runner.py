@@ -16,7 +16,16 @@ plugin's names (see :mod:`.registry`). By ``training_type`` / ``backend``:
   plumbing) with the plugin's trainer and aggregator; each silo trains its own client (or, with
   ``client_num_in_total`` > ``worker_num``, its share as above).
 
-In the distributed modes, FedML's receive loops are fixed first (:mod:`.comm_fix`).
+In the distributed modes, FedML's receive loops are fixed first (:mod:`.comm_fix`) and the server
+and clients run the plugin's subclasses of FedML's managers (:mod:`.server_manager`: a deadline
+for clients that never upload, ``fedmitr_args.client_timeout_s`` / ``min_clients``).
+
+Resuming (``fedmitr_args.resume: true``): once every upload arrived the server saves them to
+``<output_dir>/state/uploads.pt`` (:mod:`.state`) before the long server work, and the method
+checkpoints its own progress there. A resumed run that finds saved uploads needs no client: the
+single-process simulation skips client training, an MPI run's server aggregates them alone while
+the other ranks exit at once, and a cross-silo server started alone does the same (start no
+clients). :mod:`fedml_fedmitr.server_only` reruns the server from saved uploads with any method.
 """
 from __future__ import annotations
 
@@ -27,7 +36,9 @@ from typing import List, Optional
 
 import torch
 
-from ..core.models import check_vit
+from ..core.config import ConfigError
+from ..core.models import ModelError, check_vit
+from .errors import ClientFailure, StateError
 
 log = logging.getLogger("fedml_fedmitr")
 
@@ -62,7 +73,7 @@ class FedMITRRunner:
         attach_plugin_logging()
         name = getattr(args, "federated_optimizer", None)
         if name not in method_names():
-            raise ValueError(f"federated_optimizer = {name!r} is not a one-shot method of fedml_fedmitr: "
+            raise ConfigError(f"federated_optimizer = {name!r} is not a one-shot method of fedml_fedmitr: "
                              f"expected one of {', '.join(method_names())}")
         # validate everything before any training starts
         self.fedmitr_config = read_fedmitr_config(args)
@@ -72,7 +83,7 @@ class FedMITRRunner:
         args.comm_round = 1
         check_vit(model, getattr(args, "model", None) if isinstance(getattr(args, "model", None), str) else None)
         if not isinstance(dataset, (list, tuple)) or len(dataset) != 8:
-            raise ValueError("dataset must be FedML's 8-item list [train_data_num, test_data_num, "
+            raise ConfigError("dataset must be FedML's 8-item list [train_data_num, test_data_num, "
                              "train_data_global, test_data_global, train_data_local_num_dict, "
                              "train_data_local_dict, test_data_local_dict, class_num]")
         from .aggregator import FedMITRServerAggregator
@@ -85,6 +96,7 @@ class FedMITRRunner:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.client_trainer, self.server_aggregator = client_trainer, server_aggregator
         self.num_classes = int(dataset[7])
+        check_dataset(dataset, model, int(args.client_num_in_total), self.fedmitr_config.min_clients)
         if not hasattr(args, "frequency_of_the_test"):
             args.frequency_of_the_test = 1
         self.mode = self._mode()
@@ -99,9 +111,10 @@ class FedMITRRunner:
             return "mpi_simulation"
         if t == "cross_silo":
             if getattr(self.args, "scenario", "horizontal") != "horizontal":
-                raise ValueError("fedml_fedmitr supports the horizontal cross-silo scenario only")
+                raise ConfigError("fedml_fedmitr supports the horizontal cross-silo scenario only "
+                                  "(common_args.scenario: horizontal)")
             return "cross_silo"
-        raise ValueError(f"training_type = {t!r} with backend = {backend!r} is not supported by "
+        raise ConfigError(f"training_type = {t!r} with backend = {backend!r} is not supported by "
                          "fedml_fedmitr: use simulation (sp or MPI) or cross_silo")
 
     # ------------------------------------------------------------------
@@ -145,6 +158,10 @@ class FedMITRRunner:
         initial = aggregator.get_model_params()
         model_list = []
         k = int(args.client_num_in_total)
+        saved = self._saved_uploads()
+        if saved is not None:  # resume: the clients' work is saved, do not redo it
+            global_state = aggregate_saved_uploads(aggregator, saved, test_global, device, args)
+            return self._deliver_sp(trainer, global_state, aggregator)
         for idx in range(k):
             trainer.trained = False
             trainer.set_model_params(initial)
@@ -159,7 +176,12 @@ class FedMITRRunner:
         global_state = aggregator.on_after_aggregation(global_state)
         aggregator.set_model_params(global_state)
         aggregator.test(test_global, device, args)
-        for idx in range(k):
+        return self._deliver_sp(trainer, global_state, aggregator)
+
+    def _deliver_sp(self, trainer, global_state, aggregator):
+        """Every simulated client receives the global model (and evaluates it on its own test data)."""
+        (_, _, _, _, train_num, train_local, test_local, _) = self.dataset
+        for idx in range(int(self.args.client_num_in_total)):
             trainer.set_id(idx)
             trainer.update_dataset(train_local[idx], test_local.get(idx) if test_local else None, train_num[idx])
             trainer.trained = True
@@ -167,10 +189,36 @@ class FedMITRRunner:
         self.result = aggregator.summary
         return self.result
 
+    def _saved_uploads(self) -> Optional[str]:
+        """With ``resume: true``, the path of the saved uploads of this output_dir (if any)."""
+        from .state import uploads_path
+
+        if not self.fedmitr_config.resume:
+            return None
+        path = uploads_path(self.fedmitr_config.output_dir)
+        return str(path) if path.is_file() else None
+
     def _run_distributed(self):
         from . import comm_fix
 
         args = self.args
+        rank = int(args.rank)
+        saved = self._saved_uploads() if rank == 0 else None
+        comm = getattr(args, "comm", None)
+        if args.backend == "MPI" and comm is not None and comm.Get_size() > 1:
+            saved = comm.bcast(saved, root=0)  # every rank learns whether the server resumes alone
+        if saved is not None:
+            if rank != 0:
+                log.info("client process %d: the server resumes from saved uploads (%s); nothing to train",
+                         rank, saved)
+                return None
+            args.device = self.device
+            aggregator = self._aggregator(self.model)
+            aggregator.set_id(0)
+            log.info("server: resuming from saved uploads %s; no client is contacted", saved)
+            aggregate_saved_uploads(aggregator, saved, self.dataset[3], self.device, args)
+            self.result = aggregator.summary
+            return self.result
         comm_fix.apply_all(args.backend)
         k = int(args.client_num_in_total)
         if self.mode == "mpi_simulation":
@@ -183,12 +231,12 @@ class FedMITRRunner:
         else:
             workers = int(args.worker_num)
         if workers < 1:
-            raise ValueError("a distributed run needs a server and at least one client process "
+            raise ConfigError("a distributed run needs a server and at least one client process "
                              "(mpirun -n 2 or more)")
         if k < workers:
-            raise ValueError(f"client_num_in_total = {k} is smaller than the {workers} client processes: "
-                             "every client process must train at least one client")
-        rank = int(args.rank)
+            raise ConfigError(f"train_args.client_num_in_total = {k} is smaller than the {workers} client "
+                              "processes: every client process must train at least one client (start at most "
+                              f"{k + 1} processes, or raise client_num_in_total)")
         args.client_num_per_round = workers  # FedML's plumbing: one upload per client process
         if rank == 0:
             args.client_id_list = json.dumps(list(range(1, workers + 1)))
@@ -196,24 +244,78 @@ class FedMITRRunner:
             args.client_id_list = json.dumps([rank])
         (train_num, test_num, train_global, test_global, train_local_num, train_local, test_local,
          class_num) = self.dataset
-        if rank == 0:
-            from fedml.cross_silo.server import server_initializer
+        from .server_manager import run_client, run_server
 
+        if rank == 0:
             aggregator = self._aggregator(self.model)
+            cfg = self.fedmitr_config
             log.info("server: waiting for %d client process(es) with %d clients", workers, k)
-            server_initializer.init_server(args, self.device, args.comm, rank, workers, self.model, train_num,
-                                           train_global, test_global, train_local, test_local, train_local_num,
-                                           aggregator)
+            run_server(args, self.device, getattr(args, "comm", None), rank, workers, self.model, train_num,
+                       train_global, test_global, train_local, test_local, train_local_num, aggregator,
+                       clients_of_rank={r: assigned_clients(r, workers, k) for r in range(1, workers + 1)},
+                       timeout_s=cfg.client_timeout_s, min_clients=cfg.min_clients)
             self.result = aggregator.summary
         else:
-            from fedml.cross_silo.client import client_initializer
-
             clients = assigned_clients(rank, workers, k)
             share = None if (k == workers) else clients
             trainer = self._trainer(client_indices=share, train_data_local_dict=train_local,
                                     test_data_local_dict=test_local)
             log.info("client process %d trains client(s) %s", rank, clients)
-            client_initializer.init_client(args, self.device, args.comm, rank, workers, self.model, train_num,
-                                           train_local_num, train_local, test_local, trainer)
+            run_client(args, self.device, getattr(args, "comm", None), rank, workers, self.model, train_num,
+                       train_local_num, train_local, test_local, trainer)
             self.result = trainer.received_results
         return self.result
+
+
+def check_dataset(dataset, model, num_clients: int, min_clients: int) -> None:
+    """Before any training: the model's outputs match ``class_num`` and no client's shard is empty."""
+    class_num = int(dataset[7])
+    outputs = getattr(model, "num_classes", None)
+    if outputs is not None and int(outputs) != class_num:
+        raise ModelError(f"the model has {int(outputs)} outputs but the dataset's class_num is {class_num}: "
+                         "build the model with num_classes = class_num")
+    counts = dataset[4] or {}
+    empty = sorted(int(i) for i, n in counts.items() if n is not None and int(n) <= 0)
+    if empty:
+        raise ClientFailure(f"client(s) {empty} have an empty training shard (train_data_local_num_dict); "
+                            "every client needs training data", details={"clients": empty})
+    if min_clients > num_clients:
+        raise ConfigError(f"fedmitr_args.min_clients = {min_clients} is more than client_num_in_total = "
+                          f"{num_clients}: expected at most {num_clients}")
+
+
+def aggregate_saved_uploads(aggregator, path, test_data, device, args, check_settings: bool = True):
+    """The server's one-shot aggregation from uploads saved by an earlier run (no client needed).
+
+    ``aggregator`` is a :class:`~.aggregator.FedMITRServerAggregator`; returns the global state.
+    With ``check_settings`` the clients' FedML settings recorded with the uploads must match ``args``
+    (a resumed run); :mod:`fedml_fedmitr.server_only` takes the uploads as they are.
+    """
+    from .state import client_settings, load_uploads, settings_diff
+    from .trainer import PAYLOAD_KEY
+
+    blob = load_uploads(path)
+    recorded = blob.get("client_settings") or {}
+    diff = settings_diff(recorded, client_settings(args)) if recorded else []
+    if diff and check_settings:
+        raise StateError(f"fedmitr_args.resume is true but the uploads saved in {str(path)!r} were trained with "
+                         f"other client settings (differs in: {', '.join(diff)}); set resume: false to train the "
+                         "clients again, or rerun the server alone on them with python -m fedml_fedmitr.server_only")
+    if diff:
+        log.warning("server: the saved uploads were trained with other settings than this config (%s)", ", ".join(diff))
+    payloads = blob["uploads"]
+    cfg = aggregator.fedmitr_config
+    if len(payloads) < cfg.min_clients:
+        raise ClientFailure(f"{str(path)!r} holds {len(payloads)} client upload(s), fewer than "
+                            f"fedmitr_args.min_clients = {cfg.min_clients}")
+    aggregator.uploads_file = str(path)
+    aggregator.missing_clients = list(blob.get("missing_clients") or [])
+    log.info("server: %d saved client upload(s) from %s (missing clients: %s)", len(payloads), path,
+             aggregator.missing_clients or "none")
+    model_list = [(int(p["num_samples"]), {PAYLOAD_KEY: [p]}) for p in payloads]
+    model_list, _ = aggregator.on_before_aggregation(model_list)
+    state = aggregator.aggregate(model_list)
+    state = aggregator.on_after_aggregation(state)
+    aggregator.set_model_params(state)
+    aggregator.test(test_data, device, args)
+    return state

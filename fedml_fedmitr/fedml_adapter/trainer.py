@@ -33,7 +33,9 @@ from ..core.client import train_client
 from ..core.config import ClientTrainConfig, FedMITRConfig
 from ..core.evaluate import evaluate_model
 from ..core.methods.base import Callbacks
-from ..core.models import load_state_checked, save_global_model
+from ..core.models import ModelError, load_state_checked, save_global_model
+from .checks import check_architecture
+from .errors import ClientFailure
 
 log = logging.getLogger("fedml_fedmitr")
 
@@ -44,6 +46,61 @@ def _cpu_state(model) -> "OrderedDict[str, torch.Tensor]":
     """A CPU copy of the weights, as an OrderedDict: FedML's server treats a plain ``dict`` of
     global parameters as one model per client (``type(params) is dict``)."""
     return OrderedDict((k, v.detach().cpu().clone()) for k, v in model.state_dict().items())
+
+
+def shard_labels(loader) -> Optional[torch.Tensor]:
+    """The labels of a loader over a ``TensorDataset`` (read without iterating the loader, so its
+    shuffling generator is untouched); None for other datasets."""
+    from torch.utils.data import TensorDataset
+
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) >= 2:
+        return dataset.tensors[1].view(-1)
+    return None
+
+
+def check_shard(client_id: int, loader, num_classes: int) -> None:
+    """A client's shard must hold samples, with labels in ``[0, num_classes)`` (the model's outputs).
+    Checked up front for ``TensorDataset`` loaders; other loaders are checked by the training itself."""
+    empty = loader is None
+    labels = None if empty else shard_labels(loader)
+    if labels is not None:
+        empty = labels.numel() == 0
+    if empty:
+        raise ClientFailure(f"client {client_id} has an empty training shard: nothing to train on (check the "
+                            "partition: data_args.partition_method / client_num_in_total)",
+                            details={"client": int(client_id)})
+    if labels is not None:
+        low, top = int(labels.min()), int(labels.max())
+        if top >= num_classes or low < 0:
+            raise ModelError(f"client {client_id} has labels {low}..{top} but the model has {num_classes} outputs: "
+                             "class_num disagrees with the data (labels must lie in 0..class_num-1)")
+
+
+def _test_hooks(args, uploads: List[dict]) -> None:
+    """Test-only failure injection, off unless an environment variable names this process's rank:
+    ``FEDMITR_TEST_STALL_RANK=r`` makes client process r hang before its upload (for
+    ``FEDMITR_TEST_STALL_S`` seconds, default an hour); ``FEDMITR_TEST_NAN_RANK=r`` puts a NaN in
+    its uploaded weights. Used by ``tests/test_robust_*.py`` to fail a real client process."""
+    rank = str(getattr(args, "rank", ""))
+    if os.environ.get("FEDMITR_TEST_NAN_RANK") == rank:
+        for payload in uploads:
+            key = next(k for k, v in payload["state_dict"].items() if v.is_floating_point())
+            payload["state_dict"][key].view(-1)[0] = float("nan")
+        log.warning("test hook: client process %s uploads a NaN weight", rank)
+    if os.environ.get("FEDMITR_TEST_STALL_RANK") == rank:
+        seconds = float(os.environ.get("FEDMITR_TEST_STALL_S", "3600"))
+        log.warning("test hook: client process %s stalls for %.0f s before its upload", rank, seconds)
+        _raw_stderr(f"fedml_fedmitr: test hook: client process {rank} stalls before its upload\n")
+        time.sleep(seconds)
+
+
+def _raw_stderr(text: str) -> None:
+    import sys
+    stream = sys.__stderr__
+    if stream is not None:
+        type(stream).write(stream, text)
+        stream.flush()
 
 
 class FedMITRClientTrainer(ClientTrainer):
@@ -79,6 +136,8 @@ class FedMITRClientTrainer(ClientTrainer):
         if self.trained:
             self.receive_global_model(model_parameters)
         else:
+            check_architecture(model_parameters, self.model.state_dict(), "the server's initial model",
+                               ours=f"this client's model (client process {getattr(self.args, 'rank', '?')})")
             load_state_checked(self.model, model_parameters, "the server's initial model")
 
     def train(self, train_data, device, args):
@@ -96,14 +155,25 @@ class FedMITRClientTrainer(ClientTrainer):
             if n:
                 self.model.load_state_dict(initial)
                 torch.manual_seed(int(getattr(args, "random_seed", 0)) + 7919 * (client_id + 1))
+            check_shard(client_id, loader, self.num_classes)
             start = time.perf_counter()
-            upload = train_client(client_id, self.model, loader, self.train_config, device,
-                                  self.num_classes, callbacks)
+            try:
+                upload = train_client(client_id, self.model, loader, self.train_config, device,
+                                      self.num_classes, callbacks)
+            except ValueError as exc:
+                if "empty training shard" in str(exc):
+                    raise ClientFailure(f"client {client_id} has an empty training shard: nothing to train on",
+                                        details={"client": int(client_id)}) from exc
+                raise
+            if len(upload.label_counts) > self.num_classes:
+                raise ModelError(f"client {client_id} has labels up to {len(upload.label_counts) - 1} but the model "
+                                 f"has {self.num_classes} outputs: class_num disagrees with the data")
             seconds = time.perf_counter() - start
             payload = upload.to_payload()
             payload["train_s"] = seconds
             self.uploads.append(payload)
             log.info("client %d trained on %d samples in %.1f s", client_id, upload.num_samples, seconds)
+        _test_hooks(self.args, self.uploads)
         self.trained = True
 
     def test(self, test_data, device, args):
