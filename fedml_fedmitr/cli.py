@@ -293,6 +293,19 @@ def _exit_now(distributed: bool, code: int) -> None:
     os._exit(code)
 
 
+def _abort_mpi(mpi: bool, code: int) -> None:
+    if not mpi:
+        return
+    try:
+        from mpi4py import MPI
+        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+            for stream in (sys.__stdout__, sys.__stderr__):
+                stream.flush()
+            MPI.COMM_WORLD.Abort(code)
+    except Exception:
+        pass
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     cmd = _parser().parse_args(argv)
     return run(cmd)

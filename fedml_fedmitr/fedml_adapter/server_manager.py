@@ -4,9 +4,10 @@ FedML's ``FedMLServerManager`` waits forever: for every client to come online, t
 upload, then for every client's FINISHED status. :class:`FedMITRServerManager` (a subclass; nothing
 inside FedML is patched) adds, with ``fedmitr_args.client_timeout_s`` > 0:
 
-* a deadline for every client process to connect, counted from the server's start, and then one for
-  every upload, counted from when the server sent the initial model (so slow start-ups do not eat
-  into training time). The timer thread only puts a message into the backend's receive queue
+* a deadline for the client processes to connect, ``client_timeout_s`` after the first one connected
+  (or ``NO_CLIENT_FACTOR`` x ``client_timeout_s`` after the server started, if none does), then one
+  for every upload, ``client_timeout_s`` after the server sent the initial model (so slow start-ups
+  do not eat into training time). The timer thread only puts a message into the backend's receive queue
   (GRPC and MPI backends), so everything runs on FedML's own message loop, one message at a time;
 * at a deadline, if the uploads (clients, not processes) that arrived number at least
   ``fedmitr_args.min_clients``, the server proceeds with them: the missing clients are recorded
@@ -45,6 +46,7 @@ log = logging.getLogger("fedml_fedmitr")
 TIMEOUT_MSG = "fedmitr_deadline"
 ERROR_KEY = "fedmitr_stop_reason"
 TIMEOUT_BACKENDS = ("GRPC", "MPI")
+NO_CLIENT_FACTOR = 10  # with no client connected at all, the server gives up after 10 x client_timeout_s
 
 
 def _clients_text(ids: Sequence[int]) -> str:
@@ -74,21 +76,22 @@ class FedMITRServerManager(FedMLServerManager):
 
     # ---- deadlines ----
     def run(self):
-        self._arm("connect")
+        self._arm("connect", NO_CLIENT_FACTOR * self.timeout_s)
         try:
             super().run()
         finally:
             self._disarm()
 
-    def _arm(self, phase: str) -> None:
+    def _arm(self, phase: str, seconds: Optional[float] = None) -> None:
         self._disarm()
         if self.timeout_s <= 0:
             return
+        seconds = self.timeout_s if seconds is None else seconds
         self._timer_seq += 1
-        self._timer = threading.Timer(self.timeout_s, self._inject_deadline, args=(phase, self._timer_seq))
+        self._timer = threading.Timer(seconds, self._inject_deadline, args=(phase, self._timer_seq))
         self._timer.daemon = True
         self._timer.start()
-        log.info("server: waiting up to %.0f s for the clients to %s", self.timeout_s,
+        log.info("server: waiting up to %.0f s for the clients to %s", seconds,
                  "connect" if phase == "connect" else "upload")
 
     def _disarm(self) -> None:
@@ -122,6 +125,7 @@ class FedMITRServerManager(FedMLServerManager):
 
     def process_online_status(self, client_status, msg_params):
         sender = int(msg_params.get_sender_id())
+        first = self.phase == "connect" and not any(self.client_online_mapping.values())
         if self.phase != "connect":
             self.client_online_mapping[str(sender)] = True
             if sender in self.missing_ranks:
@@ -132,6 +136,8 @@ class FedMITRServerManager(FedMLServerManager):
         if self.is_initialized:
             self.phase = "train"
             self._arm("train")
+        elif first:  # the clock for the others starts with the first client
+            self._arm("connect")
 
     def handle_message_receive_model_from_client(self, msg_params):
         sender = int(msg_params.get(MyMessage.MSG_ARG_KEY_SENDER))
@@ -156,10 +162,12 @@ class FedMITRServerManager(FedMLServerManager):
             offline = [r for r in self.live_ranks if r not in online]
             missing = self._clients_of(offline)
             if self._count(online) < self.min_clients:
-                self._fail(f"only {len(online)} of {total} client processes connected within "
-                           f"fedmitr_args.client_timeout_s = {self.timeout_s:g} s (clients {_clients_text(missing)} "
-                           f"never connected); fewer than fedmitr_args.min_clients = {self.min_clients} clients",
-                           missing, notify=online)
+                waited = (f"within fedmitr_args.client_timeout_s = {self.timeout_s:g} s of the first" if online else
+                          f"within {NO_CLIENT_FACTOR} x fedmitr_args.client_timeout_s = "
+                          f"{NO_CLIENT_FACTOR * self.timeout_s:g} s of the server's start")
+                self._fail(f"only {len(online)} of {total} client processes connected {waited} (clients "
+                           f"{_clients_text(missing)} never connected); fewer than fedmitr_args.min_clients = "
+                           f"{self.min_clients} clients", missing, notify=online)
             log.warning("server: clients %s never connected within %.0f s; starting with the other %d",
                         _clients_text(missing), self.timeout_s, self._count(online))
             self.missing_ranks += offline
@@ -232,7 +240,7 @@ class FedMITRServerManager(FedMLServerManager):
                 agg.uploads_from(self._model_list(arrived))
                 agg.missing_clients = list(missing_clients)
                 agg.save_received()
-                message += f"; the {self._count(arrived)} uploads that arrived are saved in {agg.uploads_file}"
+                message += f"; the upload(s) that arrived ({self._count(arrived)}) are saved in {agg.uploads_file}"
             except Exception as exc:
                 log.warning("server: could not save the uploads that arrived: %s", exc)
         exc = ClientFailure(message, details={"clients_missing": [int(c) for c in missing_clients],

@@ -136,8 +136,9 @@ class FedMITRClientTrainer(ClientTrainer):
         if self.trained:
             self.receive_global_model(model_parameters)
         else:
-            check_architecture(model_parameters, self.model.state_dict(), "the server's initial model",
-                               ours=f"this client's model (client process {getattr(self.args, 'rank', '?')})")
+            check_architecture(model_parameters, self.model.state_dict(),
+                               f"the server's initial model (received by client process "
+                               f"{getattr(self.args, 'rank', '?')})", ours="this client's model")
             load_state_checked(self.model, model_parameters, "the server's initial model")
 
     def train(self, train_data, device, args):
