@@ -280,7 +280,7 @@ class FedMITRServerAggregator(ServerAggregator):
         callbacks = getattr(self, "callbacks", None)
         if callbacks is not None:
             callbacks.scalars({k: summary[k] for k in ("test_acc", "ensemble_acc", "client_test_acc",
-                                                       "num_synthetic", "timings")})
+                                                       "num_synthetic", "timings", "per_class_acc")})
             callbacks.close()
         summary.update(self.summary_extra())  # expected / missing clients, saved uploads
         path = out / SUMMARY_NAME
