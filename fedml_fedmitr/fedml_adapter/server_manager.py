@@ -16,6 +16,8 @@ inside FedML is patched) adds, with ``fedmitr_args.client_timeout_s`` > 0:
   uploads after the deadline, or connects after the server started without it, is told to stop;
 * otherwise it saves the uploads it has, tells the clients that did upload that the run failed, and
   raises :class:`~.errors.ClientFailure` naming the missing clients (exit status 2, ``error.json``);
+* the clients that got the global model have ``client_timeout_s`` to confirm (FINISHED); the server
+  then finishes anyway (its results are written by then);
 * under MPI a hung rank can only be ended by ending the job: once the live clients have finished,
   the server aborts the MPI job with status 0 (its results are already written).
 
@@ -92,7 +94,7 @@ class FedMITRServerManager(FedMLServerManager):
         self._timer.daemon = True
         self._timer.start()
         log.info("server: waiting up to %.0f s for the clients to %s", seconds,
-                 "connect" if phase == "connect" else "upload")
+                 {"connect": "connect", "train": "upload"}.get(phase, "confirm"))
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -154,8 +156,18 @@ class FedMITRServerManager(FedMLServerManager):
 
     def handle_deadline(self, msg_params):
         phase, seq = msg_params.get("phase"), msg_params.get("seq")
-        if seq != self._timer_seq or phase != self.phase:
+        if seq != self._timer_seq:
             return  # an old deadline
+        if phase == "finish" and self.phase == "done":
+            waiting = [r for r in self.client_id_list_in_this_round
+                       if not self.client_finished_mapping.get(str(r), False)]
+            log.warning("server: client process(es) %s did not confirm the global model within %.0f s; finishing",
+                        _clients_text(waiting), self.timeout_s)
+            self.missing_ranks += [r for r in waiting if r not in self.missing_ranks]
+            self.finish()
+            return
+        if phase != self.phase:
+            return
         total = len(self.client_real_ids)
         if phase == "connect":
             online = [r for r in self.live_ranks if self.client_online_mapping.get(str(r), False)]
@@ -229,6 +241,7 @@ class FedMITRServerManager(FedMLServerManager):
         for r in live:
             self.send_message_sync_model_to_client(r, params, self.silo_of.get(r, r - 1))
         self.args.round_idx += 1
+        self._arm("finish")
 
     def _fail(self, message: str, missing_clients: Sequence[int], arrived: Sequence[int] = (),
               notify: Optional[Sequence[int]] = None) -> None:
@@ -267,6 +280,7 @@ class FedMITRServerManager(FedMLServerManager):
             log.warning("server: could not tell client process %d to stop: %s", rank, exc)
 
     def finish(self):
+        self._disarm()
         if self.backend == "MPI" and self.missing_ranks:
             # a hung rank never finishes and mpirun waits for every rank: end the job (results are written)
             log.warning("server: done; ending the MPI job, whose client process(es) %s never uploaded",

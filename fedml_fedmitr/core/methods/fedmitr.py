@@ -64,11 +64,13 @@ class FedMITR(ServerMethod):
         resume_state = load_if_exists(path) if self.config.resume else None
         if resume_state is not None:
             ctx.callbacks.log(f"resuming distillation at epoch {resume_state['epoch']} from {path}")
+            _set_rng_state(resume_state.get("rng"))
         eval_fn = None
         if ctx.eval_loader is not None:
             def eval_fn(model):
                 return evaluate_model(model, ctx.eval_loader, ctx.device, ctx.num_classes)["acc"]
-        checkpoint = (lambda state: save_atomic(state, path)) if path is not None else None
+        # with torch's global RNG state, so a student with dropout / drop-path also resumes bit-identically
+        checkpoint = (lambda state: save_atomic({**state, "rng": _rng_state()}, path)) if path is not None else None
         return distill_student(self.student, self.ensemble, images, labels, masks, self.config, ctx.device,
                                seed=ctx.seed, callbacks=ctx.callbacks, eval_fn=eval_fn,
                                checkpoint=checkpoint, resume_state=resume_state)
@@ -78,6 +80,21 @@ class FedMITR(ServerMethod):
         if hasattr(self, "pool_fit"):
             metrics["pool_ensemble_fit"] = self.pool_fit
         return metrics
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Optional[dict]) -> None:
+    if not state:
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _variant(name: str, doc: str, **overrides):
