@@ -174,7 +174,7 @@ class FedMITRServerManager(FedMLServerManager):
             offline = [r for r in self.live_ranks if r not in online]
             missing = self._clients_of(offline)
             if self._count(online) < self.min_clients:
-                waited = (f"within fedmitr_args.client_timeout_s = {self.timeout_s:g} s of the first" if online else
+                waited = (f"within fedmitr_args.client_timeout_s = {self.timeout_s:g} s of the first connection" if online else
                           f"within {NO_CLIENT_FACTOR} x fedmitr_args.client_timeout_s = "
                           f"{NO_CLIENT_FACTOR * self.timeout_s:g} s of the server's start")
                 self._fail(f"only {len(online)} of {total} client processes connected {waited} (clients "
