@@ -3,29 +3,11 @@ examples/cross_silo/run_local.sh), and FedML's MPI backend under a real mpirun."
 from __future__ import annotations
 
 import json
-import random
-import socket
 
 import pytest
 
-from conftest import (MPIRUN, PYTHON, ROOT, check_summary, child_env, read_summary, tiny_config,
-                      write_yaml)
-
-
-def _consecutive_free_ports(n: int) -> int:
-    for _ in range(50):
-        base = random.randint(20000, 60000)
-        ok = True
-        for port in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free loopback ports")
+from conftest import (MPIRUN, PYTHON, ROOT, check_summary, child_env, consecutive_free_ports, read_summary,
+                      tiny_config, write_yaml)
 
 
 def _cross_silo(out, backend, **extra):
@@ -40,7 +22,7 @@ def test_cross_silo_grpc_server_and_two_clients(tmp_path, tmp_home, procs):
     client_cfg["fedmitr_args"] = {"output_dir": str(out), "progress": False}
     client = write_yaml(tmp_path / "client.yaml", client_cfg)
     logs = tmp_path / "logs"
-    env = child_env(tmp_home, PYTHON=PYTHON, FEDMITR_GRPC_BASE_PORT=_consecutive_free_ports(3),
+    env = child_env(tmp_home, PYTHON=PYTHON, FEDMITR_GRPC_BASE_PORT=consecutive_free_ports(3),
                     FEDMITR_LOG_DIR=logs, FEDMITR_CLIENT_GRACE_S=60, TMPDIR=tmp_path)
     p = procs.start(["bash", ROOT / "examples" / "cross_silo" / "run_local.sh", "2", server, client], env,
                     log_path=tmp_path / "run_local.log")
