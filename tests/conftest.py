@@ -209,6 +209,8 @@ def check_summary(summary: dict, optimizer: str, clients: int, min_acc: float = 
     assert sum(summary["client_test_acc"]) / clients > min_ensemble_acc, summary["client_test_acc"]
     assert Path(summary["checkpoint"]).is_file()
     assert summary["config"]["fedmitr_args"]["output_dir"]
+    if not summary["config"]["fedmitr_args"].get("client_screening"):
+        assert summary["screening"] is None and summary["clients_dropped"] == {}
 
 
 # ---- helpers of the robustness tests (tests/test_robust_*.py) ------------------------------------

@@ -34,7 +34,9 @@ def test_sp_end_to_end_offline(tmp_path, tmp_home, procs):
     out = tmp_path / "out"
     cfg = write_yaml(tmp_path / "sp.yaml", tiny_config(out, train_args={"client_num_in_total": 3,
                                                                            "client_num_per_round": 3},
-                                                       fedmitr_args={"save_images": True}))
+                                                       fedmitr_args={"save_images": True, "client_screening": True,
+                                                                     "screening_images": 20,
+                                                                     "screening_iters": 10}))
     guard = tmp_path / "netguard.py"
     guard.write_text(NETGUARD)
     net_log = tmp_path / "net.json"
@@ -48,6 +50,11 @@ def test_sp_end_to_end_offline(tmp_path, tmp_home, procs):
     assert summary["backend"] == "sp"
     assert summary["partition"]["method"] == "homo"
     assert len(summary["partition"]["label_counts"]) == 3
+    # the poisoned-upload screen ran on the 3 honest clients and its verdict is in the summary
+    screening = summary["screening"]
+    assert screening["probe_images"] == 20 and len(screening["agreement"]) == 3
+    dropped = {int(c) for c in summary["clients_dropped"]}
+    assert sorted(set(screening["kept"]) | dropped) == [0, 1, 2] and len(screening["kept"]) >= 2
     assert summary["timings"]["total_s"] <= time.time() - start
     # the one summary line on stdout
     assert "FedMITR: test_acc=" in p.stdout, p.stdout

@@ -67,6 +67,14 @@ class FedMITRConfig:
     trim_fraction: float = 0.2          # fraction trimmed at each end for "trimmed_mean"
     ensemble_batched: str = "auto"      # "vmap", "loop", or "auto" (vmap on GPU, loop on CPU)
 
+    # ---- screening of poisoned uploads (core/screening.py) ----
+    client_screening: bool = False      # drop outlier clients (weights, probe predictions) before synthesis
+    screening_images: int = 100         # probe images inverted from the median-logit ensemble
+    screening_iters: int = 100          # inversion steps of the probe images
+    screening_z: float = 3.0            # weights: robust z-score (median / MAD) beyond which a client is dropped
+    screening_min_ratio: float = 0.5    # predictions: dropped below this fraction of the median agreement
+    min_clients_after_screening: int = 0  # fewest clients the screen may leave; 0: more than half
+
     # ---- DENSE / Co-Boosting / FedFTG generator baselines ----
     gen_nz: int = 256                   # generator latent size
     gen_lr: float = 1e-3
@@ -130,11 +138,12 @@ class FedMITRConfig:
             if getattr(self, key) not in options:
                 bad(key, "one of " + ", ".join(repr(o) for o in options))
         positive_ints = ["num_synthetic", "synthesis_batch_size", "inversion_iters", "distill_batch_size",
-                         "gen_nz", "gen_steps", "gen_batch_size", "gen_epochs", "min_clients"]
+                         "gen_nz", "gen_steps", "gen_batch_size", "gen_epochs", "min_clients",
+                         "screening_images", "screening_iters"]
         for key in positive_ints:
             if getattr(self, key) < 1:
                 bad(key, "an integer >= 1")
-        for key in ["distill_epochs", "eval_every", "gen_kd_steps"]:
+        for key in ["distill_epochs", "eval_every", "gen_kd_steps", "min_clients_after_screening"]:
             if getattr(self, key) < 0:
                 bad(key, "an integer >= 0")
         for key in ["inversion_lr", "distill_lr", "gen_lr", "kd_temperature",
@@ -143,12 +152,14 @@ class FedMITRConfig:
             if not (v > 0 and math.isfinite(v)):
                 bad(key, "a finite number > 0")
         for key in ["tv_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight",
-                    "coboost_eps", "coboost_mu", "fedftg_div_weight", "client_timeout_s"]:
+                    "coboost_eps", "coboost_mu", "fedftg_div_weight", "client_timeout_s", "screening_z"]:
             v = getattr(self, key)
             if not (v >= 0 and math.isfinite(v)):
                 bad(key, "a finite number >= 0")
         if not (0.0 < self.prune_ratio < 1.0):
             bad("prune_ratio", "a number in (0, 1)")
+        if not (0.0 <= self.screening_min_ratio <= 1.0):
+            bad("screening_min_ratio", "a fraction in [0, 1]")
         if not (0.0 <= self.trim_fraction < 0.5):
             bad("trim_fraction", "a number in [0, 0.5)")
         b = self.inversion_betas

@@ -276,6 +276,10 @@ class FedMITRServerAggregator(ServerAggregator):
         }
         summary["per_class_acc"] = {"global": metrics.get("per_class_acc"),
                                     "ensemble": metrics.get("ensemble_per_class_acc")}
+        screening = metrics.get("screening")
+        # clients the poisoned-upload screen (fedmitr_args.client_screening) left out, with the reason
+        summary["screening"] = screening
+        summary["clients_dropped"] = dict(screening["dropped"]) if screening else {}
         summary["pictures"] = self.write_pictures(out, uploads)
         callbacks = getattr(self, "callbacks", None)
         if callbacks is not None:

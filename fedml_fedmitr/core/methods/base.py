@@ -139,6 +139,8 @@ class ServerMethod(abc.ABC):
         metrics["timings"] = dict(self.timings)
         metrics["method"] = self.name
         metrics["clients_used"] = [int(u.client_id) for u in self.uploads]
+        if self.screening is not None:
+            metrics["screening"] = self.screening.to_dict()
         return ServerResult(model=model, metrics=metrics)
 
     def prepare(self, uploads: Sequence[ClientUpload], ctx: ServerContext) -> None:
@@ -151,6 +153,16 @@ class ServerMethod(abc.ABC):
         self.uploads = list(uploads)
         self.ensemble = Ensemble.from_uploads(self.uploads, ctx.model_fn, ctx.num_classes, self.config,
                                               ctx.device)
+        self.screening = None
+        if self.config.client_screening and len(self.uploads) > 2:
+            from ..screening import screen_clients
+            self.screening = screen_clients(self.ensemble, self.uploads, self.config, ctx.input_shape, ctx.mean,
+                                            ctx.std, ctx.device, ctx.num_classes, ctx.seed, ctx.callbacks)
+            keep = self.screening.kept_positions
+            if len(keep) < len(self.uploads):
+                self.uploads = [self.uploads[i] for i in keep]
+                self.ensemble = Ensemble.from_uploads(self.uploads, ctx.model_fn, ctx.num_classes, self.config,
+                                                      ctx.device)
         student = ctx.model_fn()
         init = self.config.student_init
         if init == "fedavg":

@@ -1,0 +1,112 @@
+"""Poisoned uploads: the screen (core/screening.py) drops random and label-flipped client models.
+
+Real data (scikit-learn's digits), tiny ViTs, real training; a few seconds per client."""
+import copy
+
+import pytest
+import torch
+
+from fedml_fedmitr.core.client import train_client
+from fedml_fedmitr.core.config import ClientTrainConfig, ConfigError, FedMITRConfig
+from fedml_fedmitr.core.ensemble import Ensemble
+from fedml_fedmitr.core.methods import Callbacks, ServerContext, get_method
+from fedml_fedmitr.core.partition import partition
+from fedml_fedmitr.core.screening import ScreeningError, robust_z, screen_clients, weight_distances
+from helpers_core import digits, loader, tiny_vit
+
+K, POISONED = 6, (1, 4)      # client 1 uploads random weights, client 4 trains on flipped labels
+
+
+@pytest.fixture(scope="module")
+def federation():
+    torch.set_num_threads(1)
+    (x, y), (xt, yt) = digits()
+    shards = partition(y.numpy(), K, "hetero", seed=0, alpha=1.0)
+    init = tiny_vit(seed=0).state_dict()
+    cfg = ClientTrainConfig(epochs=12, batch_size=32, lr=2e-3, augment=False, flip=False)
+
+    def model_fn():
+        m = tiny_vit(seed=0)
+        m.load_state_dict(init)
+        return m
+
+    uploads = []
+    for k, idx in enumerate(shards):
+        idx = torch.from_numpy(idx)
+        labels = y[idx]
+        if k == POISONED[1]:
+            labels = 9 - labels                     # label flip
+        torch.manual_seed(k)
+        up = train_client(k, model_fn(), loader(x[idx], labels, 32, True, k), cfg, "cpu", 10)
+        if k == POISONED[0]:                        # random: untrained weights of another init
+            up.state_dict = {n: v.clone() for n, v in tiny_vit(seed=1234).state_dict().items()}
+        uploads.append(up)
+    return {"uploads": uploads, "model_fn": model_fn, "test": loader(xt, yt, 256)}
+
+
+def _cfg(**kw):
+    base = dict(num_synthetic=40, synthesis_batch_size=20, inversion_iters=20, inversion_lr=0.1,
+                tv_weight=0.003, prune_fractions=[0.1, 0.2, 0.35, 0.5], distill_epochs=2, distill_batch_size=20,
+                screening_images=60, progress=False, save_images=False)
+    base.update(kw)
+    return FedMITRConfig(**base)
+
+
+def _ctx(fed, seed=0):
+    return ServerContext(model_fn=fed["model_fn"], num_classes=10, input_shape=(1, 16, 16), mean=[0.3], std=[0.35],
+                         device=torch.device("cpu"), eval_loader=fed["test"], state_dir=None,
+                         callbacks=Callbacks(progress=False), seed=seed)
+
+
+def test_robust_z_and_weight_distances_flag_the_far_model():
+    states = [tiny_vit(seed=0).state_dict() for _ in range(5)]
+    for i, s in enumerate(states):                  # honest: small moves from one shared init
+        torch.manual_seed(i)
+        for v in s.values():
+            v.add_(0.01 * torch.randn_like(v))
+    states.append(tiny_vit(seed=99).state_dict())   # another init altogether
+    z = robust_z(weight_distances(states))
+    assert int(z.argmax()) == 5 and float(z[5]) > 3.0
+    assert bool((z[:5] < 3.0).all())
+
+
+def test_screen_drops_random_and_flipped_clients(federation):
+    uploads = federation["uploads"]
+    cfg = _cfg()
+    ens = Ensemble.from_uploads(uploads, federation["model_fn"], 10, cfg, "cpu")
+    report = screen_clients(ens, uploads, cfg, (1, 16, 16), [0.3], [0.35], "cpu", 10, seed=0)
+    assert set(POISONED) <= set(report.dropped), report.to_dict()
+    assert "weights" in report.dropped[POISONED[0]]
+    assert len(report.kept_positions) >= K - len(POISONED) - 1      # at most one honest client lost
+    assert report.probe_images == 60
+    honest = [report.agreement[i] for i in range(K) if i not in POISONED]
+    assert report.agreement[POISONED[1]] < min(honest)
+
+
+def test_fedmitr_with_screening_leaves_the_poisoned_clients_out(federation):
+    cfg = _cfg(client_screening=True)
+    result = get_method("FedMITR")(cfg).run(federation["uploads"], _ctx(federation))
+    m = result.metrics
+    assert set(POISONED).isdisjoint(m["clients_used"])
+    assert set(str(c) for c in POISONED) <= set(m["screening"]["dropped"])
+    assert m["screening"]["kept"] == m["clients_used"]
+    assert m["test_acc"] > 0.15        # the student is usable (chance: 0.10)
+
+
+def test_screen_off_by_default_uses_every_client(federation):
+    result = get_method("OneShotFedAvg")(_cfg()).run(federation["uploads"], _ctx(federation))
+    assert result.metrics["clients_used"] == list(range(K)) and "screening" not in result.metrics
+
+
+def test_screen_that_keeps_too_few_clients_stops_with_an_error(federation):
+    uploads = [copy.copy(u) for u in federation["uploads"]]
+    cfg = _cfg(client_screening=True, min_clients_after_screening=K)
+    with pytest.raises(ScreeningError, match="min_clients_after_screening"):
+        get_method("OneShotFedAvg")(cfg).run(uploads, _ctx(federation))
+
+
+@pytest.mark.parametrize("key,value", [("screening_images", 0), ("screening_z", -1.0),
+                                       ("screening_min_ratio", 1.5), ("screening_iters", 0), ("min_clients_after_screening", -1)])
+def test_screening_keys_are_validated(key, value):
+    with pytest.raises(ConfigError, match=key):
+        FedMITRConfig.from_dict({key: value})
