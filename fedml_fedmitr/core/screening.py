@@ -10,16 +10,14 @@ move the reference):
    uploads. Honest clients start from one shared initialisation (the server's model) and move a
    similar amount; a random, re-initialised, noised or scaled model lies far away. Dropped when
    ``distance > median + screening_z * 1.4826 * MAD``.
-2. **predictions**: a small probe set inverted from the *median-logit* ensemble of the clients
-   that passed test 1 (a minority cannot decide it): ``screening_images`` images with balanced
-   labels, ``screening_iters`` steps each. A client's agreement is the fraction of the probe
-   images it labels as the probe does, counted only over the classes the client says it trained
-   on (its ``label_counts``), since a non-IID client cannot know the others. A label-flipped model
-   answers the probe of its own classes with other labels. Dropped when its agreement is below
+2. **predictions**: a small probe set inverted from the ensemble of the clients that passed
+   test 1: ``screening_images`` images with balanced labels, ``screening_iters`` steps each.
+   A client's agreement is the fraction of the probe images on which its predicted class is the
+   one the *other* clients' ensemble predicts (leave-one-out, so a client never votes for itself).
+   A label-flipped model answers with other labels. Dropped when its agreement is below
    ``screening_min_ratio`` x the median client's. Synthetic images transfer weakly between tiny
-   from-scratch ViTs (honest agreement was 10-30% on digits), so this test is the weaker of the
-   two: it separates flipped clients on some federations and not on others (see
-   ``benchmarks/results/poison_*.md``).
+   from-scratch ViTs (honest agreement was 15-30% on digits), so this test is the weaker of the
+   two: see ``benchmarks/results/poison_*.md`` for what it caught.
 
 At least ``min_clients_after_screening`` (default: more than half) must survive, else the server
 stops with an error rather than silently trusting a federation it judged compromised.
@@ -34,6 +32,7 @@ import torch
 from .config import FedMITRConfig
 from .ensemble import Ensemble
 from .inversion import SparseModelInversion, balanced_labels
+from .models import ModelError
 
 MAD_SCALE = 1.4826   # MAD -> standard deviation of a normal distribution
 
@@ -44,7 +43,7 @@ class ScreeningReport:
 
     client_ids: List[int]
     weight_distance: List[float]
-    agreement: List[float]
+    agreement: List[float]      # NaN for a client the weights test already dropped
     dropped: Dict[int, str] = field(default_factory=dict)   # client id -> reason
     probe_images: int = 0
 
@@ -54,7 +53,8 @@ class ScreeningReport:
 
     def to_dict(self) -> dict:
         return {"client_ids": self.client_ids, "weight_distance": self.weight_distance,
-                "agreement": self.agreement, "dropped": {str(k): v for k, v in self.dropped.items()},
+                "agreement": [None if a != a else a for a in self.agreement],   # NaN: not probed
+                "dropped": {str(k): v for k, v in self.dropped.items()},
                 "kept": [self.client_ids[i] for i in self.kept_positions], "probe_images": self.probe_images}
 
 
@@ -89,25 +89,18 @@ def weight_distances(states: Sequence[Dict[str, torch.Tensor]]) -> torch.Tensor:
     return total.sqrt().float()
 
 
-def probe_agreement(ensemble: Ensemble, images: torch.Tensor, labels: torch.Tensor,
-                    label_counts: Sequence[Sequence[int]], batch_size: int = 256) -> torch.Tensor:
-    """Per client: the fraction of probe images of the classes it trained on that it labels as
-    the probe does (clients with none of the probe's classes get the median of the others)."""
-    preds = []
+def probe_agreement(ensemble: Ensemble, images: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+    """Per client: the fraction of the probe images on which its predicted class equals the
+    prediction of the mean of the *other* clients' probabilities (leave-one-out)."""
+    hits = []
     with torch.no_grad():
-        for i in range(0, len(labels), batch_size):
+        for i in range(0, len(images), batch_size):
             x = images[i:i + batch_size].to(ensemble.device)
-            preds.append(ensemble.client_logits(x).argmax(-1).cpu())      # (K, b)
-    preds = torch.cat(preds, dim=1)
-    agree = torch.full((len(ensemble),), float("nan"))
-    for k, counts in enumerate(label_counts):
-        owned = torch.tensor([c > 0 for c in counts])[labels]
-        if bool(owned.any()):
-            agree[k] = (preds[k][owned] == labels[owned]).float().mean()
-    known = agree[~agree.isnan()]
-    if len(known):
-        agree[agree.isnan()] = median(known)
-    return agree
+            probs = ensemble.client_logits(x).softmax(-1).cpu()          # (K, b, C)
+            k = probs.shape[0]
+            others = (probs.sum(0, keepdim=True) - probs) / max(1, k - 1)  # (K, b, C) leave-one-out
+            hits.append(probs.argmax(-1) == others.argmax(-1))
+    return torch.cat(hits, dim=1).float().mean(1)
 
 
 def screen_clients(ensemble: Ensemble, uploads, cfg: FedMITRConfig, input_shape, mean, std, device,
@@ -120,31 +113,28 @@ def screen_clients(ensemble: Ensemble, uploads, cfg: FedMITRConfig, input_shape,
     for i in torch.nonzero(robust_z(dist) > z).flatten().tolist():
         report.dropped[ids[i]] = (f"weights: distance {float(dist[i]):.3g} to the median of the uploads "
                                   f"(median distance {float(median(dist)):.3g})")
-    # the probe: dense inversion of the median-logit ensemble of the clients that passed test 1
+    # the probe: dense inversion of the mean ensemble of the clients that passed test 1
     survivors = [i for i in range(len(ids)) if ids[i] not in report.dropped]
-    median_ens = ensemble.subset(survivors)
-    median_ens.aggregate = "median"
     probe_cfg = cfg.replace(inversion="dense", inversion_iters=cfg.screening_iters, save_images=False)
-    inverter = SparseModelInversion(median_ens, probe_cfg, input_shape, mean, std, device, None)
-    images, labels = [], []
+    inverter = SparseModelInversion(ensemble.subset(survivors), probe_cfg, input_shape, mean, std, device, None)
+    images = []
     n, b = cfg.screening_images, cfg.synthesis_batch_size
     for batch_index in range((n + b - 1) // b):
         size = min(b, n - batch_index * b)
         target = balanced_labels(b, num_classes, batch_index)[:size]
-        batch = inverter.synthesize(target, batch_index=10_000 + batch_index, seed=seed)
-        images.append(batch.images)
-        labels.append(batch.labels.cpu())
-    images, labels = torch.cat(images), torch.cat(labels)
-    report.probe_images = int(len(labels))
-    agree = probe_agreement(ensemble, images, labels, [u.label_counts for u in uploads])
+        images.append(inverter.synthesize(target, batch_index=10_000 + batch_index, seed=seed).images)
+    images = torch.cat(images)
+    report.probe_images = int(len(images))
+    agree = torch.full((len(ids),), float("nan"))
+    agree[survivors] = probe_agreement(ensemble.subset(survivors), images)
     report.agreement = [float(a) for a in agree]
     med = float(median(agree[survivors]))
     for i in range(len(ids)):
         if ids[i] in report.dropped:
             continue
         if float(agree[i]) < cfg.screening_min_ratio * med:
-            report.dropped[ids[i]] = (f"predictions: agrees with {float(agree[i]):.0%} of the probe images of "
-                                      f"its own classes (median client {float(med):.0%})")
+            report.dropped[ids[i]] = (f"predictions: agrees with the other clients on {float(agree[i]):.0%} "
+                                      f"of the probe images (median client {med:.0%})")
     minimum = cfg.min_clients_after_screening or (len(ids) // 2 + 1)
     kept = len(report.kept_positions)
     if callbacks is not None:
@@ -158,5 +148,5 @@ def screen_clients(ensemble: Ensemble, uploads, cfg: FedMITRConfig, input_shape,
     return report
 
 
-class ScreeningError(ValueError):
-    """Too few clients passed the screen."""
+class ScreeningError(ModelError):
+    """Too few clients passed the screen (a user error: the run exits 2 with this one line)."""
