@@ -36,7 +36,8 @@ def test_sp_end_to_end_offline(tmp_path, tmp_home, procs):
                                                                            "client_num_per_round": 3},
                                                        fedmitr_args={"save_images": True, "client_screening": True,
                                                                      "screening_images": 20,
-                                                                     "screening_iters": 10}))
+                                                                     "screening_iters": 10,
+                                                                     "screening_min_ratio": 0.6}))
     guard = tmp_path / "netguard.py"
     guard.write_text(NETGUARD)
     net_log = tmp_path / "net.json"

@@ -70,7 +70,7 @@ def test_robust_z_and_weight_distances_flag_the_far_model():
 
 
 def test_fedmitr_screening_drops_random_and_flipped_clients(federation):
-    cfg = _cfg(client_screening=True)
+    cfg = _cfg(client_screening=True, screening_min_ratio=0.6)
     result = get_method("FedMITR")(cfg).run(federation["uploads"], _ctx(federation))
     m, report = result.metrics, result.metrics["screening"]
     assert set(str(c) for c in POISONED) <= set(report["dropped"]), report
@@ -84,6 +84,13 @@ def test_fedmitr_screening_drops_random_and_flipped_clients(federation):
     # the global model is built from the kept clients only
     assert set(POISONED).isdisjoint(m["clients_used"]) and report["kept"] == m["clients_used"]
     assert m["test_acc"] > 0.15        # the student is usable (chance: 0.10)
+
+
+def test_weights_test_alone_drops_the_random_model_only(federation):
+    result = get_method("OneShotFedAvg")(_cfg(client_screening=True)).run(federation["uploads"], _ctx(federation))
+    report = result.metrics["screening"]
+    assert list(report["dropped"]) == [str(POISONED[0])] and report["probe_images"] == 0
+    assert result.metrics["clients_used"] == [k for k in range(K) if k != POISONED[0]]
 
 
 def test_screen_off_by_default_uses_every_client(federation):

@@ -72,7 +72,8 @@ class FedMITRConfig:
     screening_images: int = 100         # probe images inverted from the median-logit ensemble
     screening_iters: int = 100          # inversion steps of the probe images
     screening_z: float = 3.0            # weights: robust z-score (median / MAD) beyond which a client is dropped
-    screening_min_ratio: float = 0.6    # predictions: dropped below this fraction of the median agreement
+    screening_min_ratio: float = 0.0    # predictions: dropped below this fraction of the median agreement;
+                                        # 0 turns the probe test off (the default: unreliable on tiny ViTs)
     min_clients_after_screening: int = 0  # fewest clients the screen may leave; 0: more than half
 
     # ---- DENSE / Co-Boosting / FedFTG generator baselines ----
