@@ -137,7 +137,8 @@ def _probe_test(report: ScreeningReport, ensemble: Ensemble, survivors: List[int
     ids = report.client_ids
     # the probe: dense inversion of the mean ensemble of the clients that passed test 1
     probe_cfg = cfg.replace(inversion="dense", inversion_iters=cfg.screening_iters, save_images=False)
-    inverter = SparseModelInversion(ensemble.subset(survivors), probe_cfg, input_shape, mean, std, device, None)
+    kept = ensemble.subset(survivors)
+    inverter = SparseModelInversion(kept, probe_cfg, input_shape, mean, std, device, None)
     images = []
     n, b = cfg.screening_images, cfg.synthesis_batch_size
     for batch_index in range((n + b - 1) // b):
@@ -147,7 +148,7 @@ def _probe_test(report: ScreeningReport, ensemble: Ensemble, survivors: List[int
     images = torch.cat(images)
     report.probe_images = int(len(images))
     agree = torch.full((len(ids),), float("nan"))
-    agree[survivors] = probe_agreement(ensemble.subset(survivors), images)
+    agree[survivors] = probe_agreement(kept, images)
     report.agreement = [float(a) for a in agree]
     med = float(median(agree[survivors]))
     for i in range(len(ids)):
