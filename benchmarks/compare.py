@@ -822,10 +822,10 @@ def load_task(settings: Dict[str, Any], with_public: bool = False) -> Dict[str, 
     data, and the normalisation. Labels of the task are relabelled to 0..C'-1."""
     import numpy as np
     import torch
-    from fedml_fedmitr.data import _digits, _resize, load_npz_arrays
+    from fedml_fedmitr.data import digits_arrays, load_npz_arrays, resize_images
 
     if settings["dataset"] == "digits":
-        x_tr, y_tr, x_te, y_te = _digits(0, 0.2)   # a fixed split: the same test set for every seed
+        x_tr, y_tr, x_te, y_te = digits_arrays(0, 0.2)   # a fixed split: the same test set for every seed
     else:
         x_tr, y_tr, x_te, y_te = load_npz_arrays(settings["npz"])
     img, chans = settings["model"]["img_size"], settings["model"]["in_chans"]
@@ -842,8 +842,8 @@ def load_task(settings: Dict[str, Any], with_public: bool = False) -> Dict[str, 
     for split, ys in (("training", yt_tr), ("test", yt_te)):
         if len(ys) == 0:
             raise ValueError(f"{settings['data_name']}: no {split} images of the task classes {task}")
-    xt_tr = _resize(torch.from_numpy(np.ascontiguousarray(xt_tr)), img)
-    xt_te = _resize(torch.from_numpy(np.ascontiguousarray(xt_te)), img)
+    xt_tr = resize_images(torch.from_numpy(np.ascontiguousarray(xt_tr)), img)
+    xt_te = resize_images(torch.from_numpy(np.ascontiguousarray(xt_te)), img)
     mean = xt_tr.mean(dim=(0, 2, 3))
     std = xt_tr.std(dim=(0, 2, 3)).clamp_min(1e-3)
 
@@ -860,9 +860,9 @@ def load_task(settings: Dict[str, Any], with_public: bool = False) -> Dict[str, 
         pmap[pub] = np.arange(len(pub))
         px_tr, py_tr = pick(x_tr, y_tr, pub)
         px_te, py_te = pick(x_te, y_te, pub)
-        out["public"] = {"train": (norm(_resize(torch.from_numpy(np.ascontiguousarray(px_tr)), img)),
+        out["public"] = {"train": (norm(resize_images(torch.from_numpy(np.ascontiguousarray(px_tr)), img)),
                                    torch.from_numpy(pmap[py_tr])),
-                         "test": (norm(_resize(torch.from_numpy(np.ascontiguousarray(px_te)), img)),
+                         "test": (norm(resize_images(torch.from_numpy(np.ascontiguousarray(px_te)), img)),
                                   torch.from_numpy(pmap[py_te])),
                          "num_classes": len(pub)}
     elif with_public and pre.get("source") == "npz":
@@ -875,7 +875,7 @@ def load_task(settings: Dict[str, Any], with_public: bool = False) -> Dict[str, 
             x = torch.from_numpy(np.ascontiguousarray(x))
             if x.shape[1] != chans:     # RGB -> grey (mean), or grey -> RGB (repeat)
                 x = x.mean(1, keepdim=True) if chans == 1 else x[:, :1].repeat(1, chans, 1, 1)
-            return norm(_resize(x, img))
+            return norm(resize_images(x, img))
 
         keep = np.isin(py_te, classes)
         out["public"] = {"train": (conv(px_tr), torch.from_numpy(pmap[py_tr])),

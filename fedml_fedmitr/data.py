@@ -78,7 +78,8 @@ class DataInfo:
 # ---------------------------------------------------------------------------------------------
 # Raw arrays: (x_train, y_train, x_test, y_test) with x float32 NCHW in [0, 1]
 # ---------------------------------------------------------------------------------------------
-def _digits(seed: int, test_fraction: float):
+def digits_arrays(seed: int, test_fraction: float):
+    """scikit-learn's 8x8 digits as (x_train, y_train, x_test, y_test), a stratified split seeded by ``seed``."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -221,7 +222,7 @@ def preflight(args, class_num_key: str = "class_num") -> None:
     check_data_args(args)
     name = args.dataset
     if name == "digits":
-        _, y_tr, _, y_te = _digits(int(getattr(args, "random_seed", 0)), float(getattr(args, "test_fraction", 0.2)))
+        _, y_tr, _, y_te = digits_arrays(int(getattr(args, "random_seed", 0)), float(getattr(args, "test_fraction", 0.2)))
     elif name == "npz":
         y_tr, y_te = npz_labels(args.npz_path)
         if len(y_tr) == 0 or len(y_te) == 0:
@@ -246,7 +247,8 @@ def _cifar10(root: str):
             _to_nchw_unit(np.asarray(x_te), "cifar10 test"), np.asarray(y_te, dtype=np.int64))
 
 
-def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
+def resize_images(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Bilinear resize of NCHW images to ``size`` x ``size`` (antialiased when shrinking), in chunks."""
     if x.shape[-1] == size and x.shape[-2] == size:
         return x
     out = []
@@ -266,7 +268,7 @@ def load_data(args) -> Tuple[list, int]:
     seed = int(getattr(args, "random_seed", 0))
     img_size = int(getattr(args, "img_size", 16))
     if name == "digits":
-        x_tr, y_tr, x_te, y_te = _digits(seed, float(getattr(args, "test_fraction", 0.2)))
+        x_tr, y_tr, x_te, y_te = digits_arrays(seed, float(getattr(args, "test_fraction", 0.2)))
         mean = std = None
     elif name == "npz":
         x_tr, y_tr, x_te, y_te = load_npz_arrays(args.npz_path)
@@ -276,8 +278,8 @@ def load_data(args) -> Tuple[list, int]:
         mean, std = list(CIFAR10_MEAN), list(CIFAR10_STD)
 
     num_classes = check_class_num(args, y_tr, y_te, name)
-    xt_tr = _resize(torch.from_numpy(x_tr), img_size)
-    xt_te = _resize(torch.from_numpy(x_te), img_size)
+    xt_tr = resize_images(torch.from_numpy(x_tr), img_size)
+    xt_te = resize_images(torch.from_numpy(x_te), img_size)
     if mean is None:
         mean = xt_tr.mean(dim=(0, 2, 3)).tolist()
         std = xt_tr.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
