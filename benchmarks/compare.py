@@ -71,6 +71,7 @@ ALL_METHODS = ["FedMITR", "FedMITR-dense", "FedMITR-kd", "FedMITR-ce", "DeepInve
 INVERSION_METHODS = {"FedMITR", "FedMITR-dense", "FedMITR-kd", "FedMITR-ce", "DeepInversion"}
 GENERATOR_METHODS = {"DENSE", "CoBoosting", "FedFTG"}
 REFERENCE_ROWS = ["Ensemble", "Central"]
+NOT_RUN = "not run (--report-only)"
 
 # Numbers aggregated over seeds (mean, std, per seed) in every record.
 NUMERIC_FIELDS = ["test_acc", "ensemble_acc", "client_acc_mean", "synthesis_s", "images_per_s", "distill_s",
@@ -240,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--results-dir", default=str(HERE / "results"))
     ap.add_argument("--name", default=None, help="result file name (default: from the setting)")
     ap.add_argument("--force", action="store_true", help="recompute cached clients and records")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: tabulate the cached records, marking the missing ones 'not run'")
     ap.add_argument("--job-timeout", type=float, default=0, help="seconds per child job (0: none)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--worker", metavar="JOB_JSON", help=argparse.SUPPRESS)
@@ -532,14 +535,12 @@ class Runner:
     def run_all(self, jobs: List[Job], what: str) -> None:
         todo = []
         for job in jobs:
-            if not self.args.force:
-                res = read_json(job.out)
-                if res is not None and res.get("ok"):
-                    job.result, job.cached = res, True
-                    self.say(f"reusing cached {job.name}: {job.out}" if job.kind != "clients"
-                             else f"reusing cached clients (seed {job.spec['seed']}): {job.spec['checkpoint']}")
-                    self.bar.update(1)
-                    continue
+            if self._reuse(job):
+                continue
+            if self.args.report_only:
+                job.error = NOT_RUN
+                self.bar.update(1)
+                continue
             todo.append(job)
         if not todo:
             return
@@ -554,7 +555,9 @@ class Runner:
                 for fut in done:
                     job = pending[fut]
                     fut.result()
-                    if job.error:
+                    if job.cached:
+                        pass
+                    elif job.error:
                         self.say(f"FAILED {job.name} (log {job.log}):\n{job.error}")
                     else:
                         self.say(f"done {job.name} in {job.elapsed:.0f} s (log {job.log})")
@@ -562,7 +565,22 @@ class Runner:
                 left = [pending[f].name for f in active]
                 self.bar.set_postfix_str(", ".join(left[:max(1, self.args.jobs)]))
 
+    def _reuse(self, job: Job) -> bool:
+        """Take the job's cached record if there is one (not with --force)."""
+        if self.args.force:
+            return False
+        res = read_json(job.out)
+        if res is None or not res.get("ok"):
+            return False
+        job.result, job.cached = res, True
+        self.say(f"reusing cached {job.name}: {job.out}" if job.kind != "clients"
+                 else f"reusing cached clients (seed {job.spec['seed']}): {job.spec['checkpoint']}")
+        return True
+
     def _run_one(self, job: Job) -> None:
+        # another compare.py sharing the cache (e.g. one per seed) may have finished it meanwhile
+        if self._reuse(job):
+            return
         job.out.parent.mkdir(parents=True, exist_ok=True)
         job.log.parent.mkdir(parents=True, exist_ok=True)
         spec_path = job.out.with_name(job.out.stem + ".job.json")
@@ -631,8 +649,12 @@ def aggregate_rows(per_seed: Dict[str, Dict[int, Dict[str, Any]]], order: List[s
             row[key] = mean
             row[f"{key}_std"] = std
             row[f"{key}_per_seed"] = values
-        if name in errors and errors[name]:
-            row["errors"] = {str(s): e for s, e in errors[name].items()}
+        failed = {str(s): e for s, e in errors.get(name, {}).items() if e != NOT_RUN}
+        if failed:
+            row["errors"] = failed
+        not_run = [s for s, e in errors.get(name, {}).items() if e == NOT_RUN]
+        if not_run:
+            row["not_run"] = not_run
         first = next((recs[s] for s in seeds if s in recs), None)
         if first is not None and "config" in first:
             row["config"] = first["config"]
@@ -683,14 +705,23 @@ def markdown(result: Dict[str, Any]) -> str:
              "client models took).", "",
              "| " + " | ".join(c[0] for c in TABLE_COLUMNS) + " |",
              "|" + "|".join(["---"] + ["---:"] * (len(TABLE_COLUMNS) - 1)) + "|"]
+    columns = list(TABLE_COLUMNS)
+    if len(seeds) > 1:   # the per-seed test accuracies beside their mean
+        columns.insert(2, ("per seed", "test_acc_per_seed", "seeds"))
+        lines[-2:] = ["| " + " | ".join(c[0] for c in columns) + " |",
+                      "|" + "|".join(["---"] + ["---:"] * (len(columns) - 1)) + "|"]
     for row in result["records"]:
         cells = []
-        for title, key, kind in TABLE_COLUMNS:
+        for title, key, kind in columns:
             if key == "method":
                 label = row["method"] + (" (reference)" if row["kind"] == "reference" else "")
                 if row.get("errors"):
                     label += f" (failed: seed {', '.join(row['errors'])})"
+                if row.get("not_run"):
+                    label += f" (not run yet: seed {', '.join(map(str, row['not_run']))})"
                 cells.append(label)
+            elif kind == "seeds":
+                cells.append(" / ".join("-" if v is None else f"{100 * v:.1f}" for v in row.get(key, [])))
             else:
                 cells.append(_fmt(row, key, kind))
         lines.append("| " + " | ".join(cells) + " |")
@@ -730,7 +761,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             jobs = p["seeds"][seed]["jobs"]
             if jobs["clients"].error:
                 for m in settings["methods"]:
-                    errors.setdefault(m, {})[seed] = "client training failed"
+                    errors.setdefault(m, {})[seed] = (NOT_RUN if jobs["clients"].error == NOT_RUN
+                                                      else "client training failed")
                     runner.bar.update(1)
                 continue
             second += [jobs[m] for m in settings["methods"]]
@@ -775,7 +807,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     records = aggregate_rows(per_seed, order, seeds, errors)
     command = shlex.join(["python", os.path.relpath(Path(__file__).resolve(), Path.cwd())
                           if Path.cwd() in Path(__file__).resolve().parents else str(Path(__file__).resolve())]
-                         + argv)
+                         + [a for a in argv if a != "--report-only"])
     import platform
     result = {
         "name": name,
@@ -790,6 +822,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "cache": {"dir": str(cache), "clients": {str(s): str(p["seeds"][s]["dir"]) for s in seeds}},
         "wall_s": time.perf_counter() - t0,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "report_only": bool(args.report_only),
     }
     first_method = next((per_seed[m][s] for m in settings["methods"] for s in seeds
                          if s in per_seed.get(m, {})), None)
@@ -802,7 +835,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     md_path.write_text(table)
     print(table)
     print(f"wrote {json_path}\nwrote {md_path}")
-    failed = sum(len(v) for v in errors.values())
+    failed = sum(1 for v in errors.values() for e in v.values() if e != NOT_RUN)
+    not_run = sum(1 for v in errors.values() for e in v.values() if e == NOT_RUN)
+    if not_run:
+        print(f"{not_run} job(s) not run yet (--report-only); run the command without it to finish them",
+              file=sys.stderr)
     if failed:
         print(f"{failed} job(s) failed; rerun the same command to retry them (the rest is cached)", file=sys.stderr)
         return 1

@@ -25,10 +25,10 @@ def load_compare():
     return mod
 
 
-def run(procs, home, tmp_path, log_name):
+def run(procs, home, tmp_path, log_name, methods=METHODS, extra=()):
     cmd = [PYTHON, str(SCRIPT), "--dataset", "digits", "--clients", "3", "--scale", "tiny", "--seeds", "0",
-           "--methods", *METHODS, "--jobs", "2", "--cache-dir", str(tmp_path / "cache"),
-           "--results-dir", str(tmp_path / "results")]
+           "--methods", *methods, "--jobs", "2", "--cache-dir", str(tmp_path / "cache"),
+           "--results-dir", str(tmp_path / "results"), *extra]
     p = procs.start(cmd, child_env(home), log_path=tmp_path / log_name)
     rc = p.wait(timeout=170)
     out = p.output()
@@ -101,6 +101,18 @@ def test_compare_smoke_schema_table_and_cached_clients(procs, tmp_home, tmp_path
     again = json.loads(json_path.read_text())
     assert again["records"][1]["test_acc"] == records["FedMITR"]["test_acc"]
 
+    # ---- --report-only: tabulates the cache, runs nothing, marks the missing method ----
+    out3 = run(procs, tmp_home, tmp_path, "third.log", methods=METHODS + ["DeepInversion"],
+               extra=["--report-only"])
+    assert "done " not in out3 and "not run yet" in out3
+    assert not list((tmp_path / "cache").rglob("DeepInversion.json"))
+    third = {r["method"]: r for r in json.loads(json_path.read_text())["records"]}
+    assert third["DeepInversion"]["not_run"] == [0] and third["DeepInversion"]["test_acc"] is None
+    assert "errors" not in third["DeepInversion"]
+    assert third["FedMITR"]["test_acc"] == records["FedMITR"]["test_acc"]
+    assert "--report-only" not in json.loads(json_path.read_text())["command"]
+    assert "| DeepInversion (not run yet: seed 0) |" in md_path.read_text()
+
 
 def test_budget_matching_and_seed_aggregation():
     cmp = load_compare()
@@ -126,4 +138,5 @@ def test_budget_matching_and_seed_aggregation():
         "model": {"name": "m", "img_size": 16, "patch_size": 4},
         "budget": {"synthetic_images": 1, "synthesis_ensemble_queries": 1, "distill_steps": 1,
                    "distill_batch_size": 1}}})
-    assert "| FedMITR (failed: seed 1) | 60.0 ± 10.0 |" in table
+    assert "| FedMITR (failed: seed 1) | 60.0 ± 10.0 | 50.0 / - / 70.0 |" in table
+    assert "| method | test acc (%) | per seed | ensemble acc (%) |" in table
