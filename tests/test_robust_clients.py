@@ -107,6 +107,24 @@ def test_grpc_too_few_clients_is_a_clear_error(tmp_path, tmp_home, procs):
     _no_traceback(server, *clients)
 
 
+def test_grpc_client_ends_when_the_server_dies(tmp_path, tmp_home, procs):
+    """The server is killed (SIGKILL) during its synthesis, after the client's upload: with
+    server_lost_s 3 the client sees the server's port closed and exits 2 with one line, instead of
+    waiting forever for a global model (FedML's client does)."""
+    out = tmp_path / "out"
+    cfg = write_yaml(tmp_path / "cs.yaml", _grpc(tmp_path, out, 1, server_lost_s=3, inversion_iters=100000))
+    server, clients = _start_grpc(procs, tmp_path, tmp_home, cfg, [cfg])
+    wait_for(lambda: "server: 1 client uploads" in server.output(), 180, 0.2, "the client's upload",
+             [server, clients[0]])
+    server.kill()
+    assert clients[0].wait(timeout=60) == 2, clients[0].output()[-4000:]
+    line = error_lines(clients[0].output())
+    assert len(line) == 1, clients[0].output()[-4000:]
+    for word in ("the server at 127.0.0.1:", "has not answered for", "server_lost_s = 3", "resume: true"):
+        assert word in line[0], (word, line[0])
+    _no_traceback(clients[0])
+
+
 mpi = pytest.mark.skipif(MPIRUN is None, reason="no mpirun (pip install mpich)")
 
 

@@ -100,6 +100,7 @@ class FedMITRConfig:
     save_images: bool = True
     client_timeout_s: float = 0.0       # 0: wait for every client forever (FedML's behaviour)
     min_clients: int = 1                # fewest uploads the server proceeds with after a timeout
+    server_lost_s: float = 300.0        # a GRPC client ends (exit 2) once the server's port refused this long; 0: never
 
     def __post_init__(self) -> None:
         self.validate("FedMITRConfig")
@@ -153,7 +154,8 @@ class FedMITRConfig:
             if not (v > 0 and math.isfinite(v)):
                 bad(key, "a finite number > 0")
         for key in ["tv_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight",
-                    "coboost_eps", "coboost_mu", "fedftg_div_weight", "client_timeout_s", "screening_z"]:
+                    "coboost_eps", "coboost_mu", "fedftg_div_weight", "client_timeout_s", "screening_z",
+                    "server_lost_s"]:
             v = getattr(self, key)
             if not (v >= 0 and math.isfinite(v)):
                 bad(key, "a finite number >= 0")

@@ -262,7 +262,8 @@ class FedMITRRunner:
                                     test_data_local_dict=test_local)
             log.info("client process %d trains client(s) %s", rank, clients)
             run_client(args, self.device, getattr(args, "comm", None), rank, workers, self.model, train_num,
-                       train_local_num, train_local, test_local, trainer)
+                       train_local_num, train_local, test_local, trainer,
+                       server_lost_s=self.fedmitr_config.server_lost_s)
             self.result = trainer.received_results
         return self.result
 

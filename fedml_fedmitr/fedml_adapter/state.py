@@ -36,7 +36,7 @@ UPLOADS_NAME = "uploads.pt"
 UPLOADS_VERSION = 1
 # fedmitr_args that do not change the global model (run control and reporting)
 RUN_CONTROL_KEYS = ("output_dir", "resume", "progress", "tensorboard", "save_images", "client_timeout_s",
-                    "min_clients", "eval_every")
+                    "min_clients", "server_lost_s", "eval_every")
 # the FedML keys that shape what the clients upload
 CLIENT_KEYS = ("dataset", "npz_path", "partition_method", "partition_alpha", "classes_per_client",
                "partition_min_size", "test_fraction", "client_num_in_total", "random_seed", "model", "img_size",
