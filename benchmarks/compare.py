@@ -555,11 +555,9 @@ class Runner:
                 for fut in done:
                     job = pending[fut]
                     fut.result()
-                    if job.cached:
-                        pass
-                    elif job.error:
+                    if job.error:
                         self.say(f"FAILED {job.name} (log {job.log}):\n{job.error}")
-                    else:
+                    elif not job.cached:   # (a record another process made meanwhile was announced)
                         self.say(f"done {job.name} in {job.elapsed:.0f} s (log {job.log})")
                     self.bar.update(1)
                 left = [pending[f].name for f in active]
@@ -690,6 +688,9 @@ def markdown(result: Dict[str, Any]) -> str:
     part = {"hetero": f"Dirichlet alpha={st['alpha']}", "pathological": f"#C={st['classes_per_client']}",
             "homo": "IID"}[st["partition"]]
     seeds = st["seed"]
+    columns = list(TABLE_COLUMNS)
+    if len(seeds) > 1:   # the per-seed test accuracies beside their mean
+        columns.insert(2, ("per seed", "test_acc_per_seed", "seeds"))
     lines = [f"## {result['name']}", "",
              f"{st['data_name']}, {st['num_classes']} classes, {part}, K={st['clients']} clients, "
              f"backbone {st['backbone']}, scale {st['scale']}, model {st['model']['name']} "
@@ -703,13 +704,8 @@ def markdown(result: Dict[str, Any]) -> str:
              "trained on all clients' data (upper bound); peak memory: the child process's max RSS "
              "(in brackets: its growth during the method, above what loading torch, the data and the "
              "client models took).", "",
-             "| " + " | ".join(c[0] for c in TABLE_COLUMNS) + " |",
-             "|" + "|".join(["---"] + ["---:"] * (len(TABLE_COLUMNS) - 1)) + "|"]
-    columns = list(TABLE_COLUMNS)
-    if len(seeds) > 1:   # the per-seed test accuracies beside their mean
-        columns.insert(2, ("per seed", "test_acc_per_seed", "seeds"))
-        lines[-2:] = ["| " + " | ".join(c[0] for c in columns) + " |",
-                      "|" + "|".join(["---"] + ["---:"] * (len(columns) - 1)) + "|"]
+             "| " + " | ".join(c[0] for c in columns) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(columns) - 1)) + "|"]
     for row in result["records"]:
         cells = []
         for title, key, kind in columns:

@@ -60,6 +60,16 @@ TIMEOUT_BACKENDS = ("GRPC", "MPI")
 NO_CLIENT_FACTOR = 10  # with no client connected at all, the server gives up after 10 x client_timeout_s
 
 
+def deliver_to_own_loop(com_manager, backend: str, msg: Message) -> None:
+    """Put ``msg`` into this process's own receive queue, so FedML's message loop handles it like a
+    received message (GRPC and MPI backends); used by the timer and watcher threads, which never act
+    themselves. Raises if the loop is gone."""
+    if backend == "GRPC":
+        com_manager.grpc_servicer.message_q.put(pickle.dumps(msg))
+    elif backend == "MPI":
+        com_manager.q_receiver.put(msg)
+
+
 def _clients_text(ids: Sequence[int]) -> str:
     return ", ".join(str(int(i)) for i in ids) if ids else "none"
 
@@ -116,10 +126,7 @@ class FedMITRServerManager(FedMLServerManager):
         msg.add_params("phase", phase)
         msg.add_params("seq", seq)
         try:
-            if self.backend == "GRPC":
-                self.com_manager.grpc_servicer.message_q.put(pickle.dumps(msg))
-            elif self.backend == "MPI":
-                self.com_manager.q_receiver.put(msg)
+            deliver_to_own_loop(self.com_manager, self.backend, msg)
         except Exception:  # the loop is gone: nothing left to time out
             log.debug("server: could not deliver the deadline", exc_info=True)
 
@@ -375,7 +382,7 @@ class FedMITRClientManager(ClientMasterManager):
                 msg.add_params("address", f"{address[0]}:{address[1]}")
                 msg.add_params("lost_s", lost_for)
                 try:
-                    self.com_manager.grpc_servicer.message_q.put(pickle.dumps(msg))
+                    deliver_to_own_loop(self.com_manager, self.backend, msg)
                 except Exception:  # the loop is gone: nothing left to end
                     log.debug("client: could not deliver 'server lost'", exc_info=True)
                 return
