@@ -54,7 +54,9 @@ import shlex
 import subprocess
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+import socket
+import threading
+from queue import Empty, Queue
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -98,7 +100,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "server": dict(num_synthetic=40, synthesis_batch_size=20, inversion_iters=10, distill_epochs=2,
                        distill_batch_size=20, gen_epochs=2, **SMALL_IMAGE_KNOBS),
     },
-    "cpu": {  # 2 CPU cores: one (setting, seed), all methods, well under an hour with --jobs 2
+    "cpu": {  # 2 CPU cores: one (setting, seed) of CIFAR-10 with K=10 is about 45-60 min with --jobs 2
         "model": ("fedmitr_vit_micro", {}),
         "client": dict(epochs=30, batch_size=32, lr=2e-3),
         "client_image": dict(epochs=20, batch_size=64, lr=1e-3),
@@ -517,6 +519,69 @@ def plan(settings: Dict[str, Any], cache: Path) -> Dict[str, Any]:
     return out
 
 
+# Several compare.py processes may share one cache (one per seed, or the same command twice): a
+# process claims a job before running it by creating ``<record>.claim`` (O_EXCL, so only one
+# process wins), naming its pid and host; the others take other jobs first and then wait for the
+# record. A claim whose process is gone (same host, pid not alive) is stale and taken over.
+WAIT = object()
+POLL_S = 10.0
+
+
+def claim_path(job: "Job") -> Path:
+    return job.out.with_name(job.out.stem + ".claim")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # alive, another user's
+        return True
+    return True
+
+
+def try_claim(job: "Job") -> Optional[str]:
+    """Claim ``job`` for this process: None when it is ours now, else who holds it ("pid P on host H")."""
+    path = claim_path(job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = read_json(path)
+            if holder is None:          # being written this instant (or left empty by a crash long ago)
+                try:
+                    if time.time() - path.stat().st_mtime > 60:
+                        path.unlink()
+                        continue
+                except FileNotFoundError:
+                    continue
+                return f"a claim being written ({path})"
+            if holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
+                return None
+            if holder.get("host") == me["host"] and not _pid_alive(int(holder.get("pid", -1))):
+                try:                    # stale: its process died without releasing it
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+                continue
+            return (f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('since')}; "
+                    f"delete {path} if that process is gone")
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return None
+    return f"claim {path} keeps changing hands"
+
+
+def release_claim(job: "Job") -> None:
+    path = claim_path(job)
+    holder = read_json(path)
+    if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        path.unlink(missing_ok=True)
+
+
 class Runner:
     """Runs jobs as ``compare.py --worker JOB.json`` children, ``jobs`` at a time, with a tqdm bar."""
 
@@ -527,6 +592,8 @@ class Runner:
         self.bar = tqdm(total=total, desc="compare", unit="job", dynamic_ncols=True, file=sys.stderr,
                         disable=True if args.no_progress else None)
         self.running: Dict[int, subprocess.Popen] = {}
+        self.poll_s = POLL_S
+        self._told_waiting: set = set()
 
     def say(self, msg: str) -> None:
         from tqdm.auto import tqdm
@@ -545,23 +612,77 @@ class Runner:
         if not todo:
             return
         self.bar.set_description(what)
-        with ThreadPoolExecutor(max_workers=max(1, self.args.jobs)) as pool:
-            pending = {pool.submit(self._run_one, job): job for job in todo}
-            active = set(pending)
-            names = [j.name for j in todo[:max(1, self.args.jobs)]]
-            self.bar.set_postfix_str(", ".join(names))
-            while active:
-                done, active = wait(active, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    job = pending[fut]
-                    fut.result()
-                    if job.error:
-                        self.say(f"FAILED {job.name} (log {job.log}):\n{job.error}")
-                    elif not job.cached:   # (a record another process made meanwhile was announced)
-                        self.say(f"done {job.name} in {job.elapsed:.0f} s (log {job.log})")
-                    self.bar.update(1)
-                left = [pending[f].name for f in active]
-                self.bar.set_postfix_str(", ".join(left[:max(1, self.args.jobs)]))
+        queue, lock, finished = list(todo), threading.Lock(), Queue()
+        active: List[str] = []
+
+        def loop() -> None:
+            # each thread takes the first job that is neither finished nor claimed by another process
+            while True:
+                with lock:
+                    try:
+                        job = self._pick(queue)
+                    except Exception as e:  # noqa: BLE001 - e.g. the cache is not writable
+                        self.say(f"scheduling failed: {type(e).__name__}: {e}")
+                        return
+                    if isinstance(job, Job) and not job.cached:
+                        active.append(job.name)
+                        self.bar.set_postfix_str(", ".join(active))
+                if job is None:
+                    return
+                if job is WAIT:
+                    time.sleep(self.poll_s)
+                    continue
+                try:
+                    if not job.cached:
+                        self._run_one(job)
+                except Exception as e:  # noqa: BLE001 - reported like a failed child, the others go on
+                    job.error = f"{type(e).__name__}: {e}"
+                finally:
+                    if not job.cached:
+                        release_claim(job)
+                        with lock:
+                            active.remove(job.name)
+                    finished.put(job)
+
+        threads = [threading.Thread(target=loop, daemon=True) for _ in range(max(1, self.args.jobs))]
+        for t in threads:
+            t.start()
+        received = 0
+        while received < len(todo):
+            try:
+                job = finished.get(timeout=1.0)
+            except Empty:
+                if any(t.is_alive() for t in threads):
+                    continue
+                for job in queue:       # only if a thread died on an error of its own
+                    job.error = job.error or "not run: the scheduling thread failed (see the message above)"
+                    self.say(f"FAILED {job.name}: {job.error}")
+                break
+            received += 1
+            if job.error:
+                self.say(f"FAILED {job.name} (log {job.log}):\n{job.error}")
+            elif not job.cached:   # (a record another process made meanwhile was announced)
+                self.say(f"done {job.name} in {job.elapsed:.0f} s (log {job.log})")
+            self.bar.update(1)
+            self.bar.set_postfix_str(", ".join(active))
+
+    def _pick(self, queue: List[Job]):
+        """The next job for a thread (removed from ``queue``): one whose record another process wrote
+        meanwhile (``cached``), else the first one this process could claim; ``WAIT`` when every job
+        left is claimed by another live process; None when the queue is empty."""
+        for job in list(queue):
+            if self._reuse(job):
+                queue.remove(job)
+                return job
+            owner = try_claim(job)
+            if owner is None:
+                queue.remove(job)
+                return job
+            if job.name not in self._told_waiting:
+                self._told_waiting.add(job.name)
+                self.say(f"{job.name} is being run by another compare.py ({owner}); "
+                         f"taking other jobs first, then waiting for its record")
+        return WAIT if queue else None
 
     def _reuse(self, job: Job) -> bool:
         """Take the job's cached record if there is one (not with --force)."""
@@ -576,9 +697,6 @@ class Runner:
         return True
 
     def _run_one(self, job: Job) -> None:
-        # another compare.py sharing the cache (e.g. one per seed) may have finished it meanwhile
-        if self._reuse(job):
-            return
         job.out.parent.mkdir(parents=True, exist_ok=True)
         job.log.parent.mkdir(parents=True, exist_ok=True)
         spec_path = job.out.with_name(job.out.stem + ".job.json")

@@ -140,3 +140,92 @@ def test_budget_matching_and_seed_aggregation():
                    "distill_batch_size": 1}}})
     assert "| FedMITR (failed: seed 1) | 60.0 ± 10.0 | 50.0 / - / 70.0 |" in table
     assert "| method | test acc (%) | per seed | ensemble acc (%) |" in table
+
+
+def _job(cmp, tmp_path, name):
+    return cmp.Job("method", name, tmp_path / "server" / f"{name}.json", {"method": name}, tmp_path / f"{name}.log")
+
+
+def _other_process(seconds=60):
+    import subprocess
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+
+
+def test_claims_keep_two_processes_off_the_same_job(tmp_path):
+    """A job claimed by another live process is skipped (then waited for); a dead holder's claim is taken."""
+    import argparse
+    import os
+    import socket
+    cmp = load_compare()
+    a, b = _job(cmp, tmp_path, "A"), _job(cmp, tmp_path, "B")
+    other = _other_process()
+    try:
+        cmp.claim_path(a).parent.mkdir(parents=True)
+        cmp.claim_path(a).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(), "since": "t"}))
+        owner = cmp.try_claim(a)
+        assert owner is not None and f"pid {other.pid}" in owner
+        assert cmp.try_claim(b) is None
+        assert json.loads(cmp.claim_path(b).read_text())["pid"] == os.getpid()
+        assert cmp.try_claim(b) is None            # our own claim stays ours
+
+        args = argparse.Namespace(jobs=1, force=False, report_only=False, no_progress=True, threads=1,
+                                  job_timeout=0)
+        runner = cmp.Runner({}, args, total=2)
+        cmp.release_claim(b)
+        assert not cmp.claim_path(b).exists()
+        queue = [a, b]
+        assert runner._pick(queue) is b and queue == [a]       # a is held by the other process
+        assert runner._pick(queue) is cmp.WAIT and queue == [a]
+        # the other process writes its record: a is reused, not run again
+        a.out.write_text(json.dumps({"ok": True, "test_acc": 0.5}))
+        assert runner._pick(queue) is a and a.cached and a.result["test_acc"] == 0.5 and queue == []
+        assert runner._pick(queue) is None
+    finally:
+        other.kill()
+        other.wait()
+
+    # the holder died without releasing its claim: the claim is stale and taken over
+    c = _job(cmp, tmp_path, "C")
+    cmp.claim_path(c).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(), "since": "t"}))
+    assert cmp.try_claim(c) is None
+    assert json.loads(cmp.claim_path(c).read_text())["pid"] == os.getpid()
+    # a claim on another host cannot be checked: it is respected, and the message says how to take it
+    d = _job(cmp, tmp_path, "D")
+    cmp.claim_path(d).write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "t"}))
+    owner = cmp.try_claim(d)
+    assert "host elsewhere" in owner and str(cmp.claim_path(d)) in owner
+    cmp.release_claim(d)                           # not ours: left alone
+    assert cmp.claim_path(d).exists()
+
+
+def test_run_all_waits_for_a_job_another_process_runs(tmp_path):
+    """run_all runs the free job, then waits for the claimed one until its record appears, and runs
+    nothing twice (the 'other process' writes the record and exits)."""
+    import argparse
+    import socket
+    import subprocess
+    cmp = load_compare()
+    a, b = _job(cmp, tmp_path, "A"), _job(cmp, tmp_path, "B")
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import json, sys, time; time.sleep(2); "
+        f"open({str(a.out)!r}, 'w').write(json.dumps({{'ok': True, 'test_acc': 0.25}}))")])
+    cmp.claim_path(a).parent.mkdir(parents=True)
+    cmp.claim_path(a).write_text(json.dumps({"pid": writer.pid, "host": socket.gethostname(), "since": "t"}))
+    args = argparse.Namespace(jobs=2, force=False, report_only=False, no_progress=True, threads=1, job_timeout=0)
+    runner = cmp.Runner({}, args, total=2)
+    runner.poll_s = 0.2
+    ran = []
+
+    def fake_run_one(job):           # stands in for the child process of one job
+        ran.append(job.name)
+        job.result = {"ok": True, "test_acc": 0.75}
+        job.out.write_text(json.dumps(job.result))
+
+    runner._run_one = fake_run_one
+    try:
+        runner.run_all([a, b], "server methods")
+    finally:
+        writer.wait(timeout=30)
+    assert ran == ["B"]
+    assert a.cached and a.result["test_acc"] == 0.25 and b.result["test_acc"] == 0.75
+    assert not cmp.claim_path(b).exists()          # released after the run
