@@ -301,6 +301,7 @@ def _abort_mpi(mpi: bool, code: int) -> None:
         if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
             for stream in (sys.__stdout__, sys.__stderr__):
                 stream.flush()
+            time.sleep(1.0)  # let mpirun forward the error line before Abort kills the ranks
             MPI.COMM_WORLD.Abort(code)
     except Exception:
         pass

@@ -311,6 +311,9 @@ class FedMITRServerManager(FedMLServerManager):
                     handler.flush()
                 except Exception:
                     pass
+            # mpirun forwards a rank's output through a pipe; Abort kills the ranks at once, and on a
+            # busy machine the line above was lost (seen in CI). Give the forwarding a moment.
+            time.sleep(1.0)
             comm = self.comm
             if comm is None:
                 from mpi4py import MPI
