@@ -280,29 +280,21 @@ def _exit_now(distributed: bool, code: int) -> None:
     """A failed cross-silo party may still hold backend threads (a GRPC server): end the process."""
     if not distributed:
         return
-    for handler in logging.getLogger("fedml_fedmitr").handlers + logging.root.handlers:
-        try:
-            handler.flush()
-        except Exception:
-            pass
-    for stream in (sys.__stdout__, sys.__stderr__):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code)
+    from .fedml_adapter.process_end import exit_process
+
+    exit_process(code)
 
 
 def _abort_mpi(mpi: bool, code: int) -> None:
+    """A failed rank of an MPI job: end the whole job (the other ranks would wait for it forever)."""
     if not mpi:
         return
     try:
         from mpi4py import MPI
         if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-            for stream in (sys.__stdout__, sys.__stderr__):
-                stream.flush()
-            time.sleep(1.0)  # let mpirun forward the error line before Abort kills the ranks
-            MPI.COMM_WORLD.Abort(code)
+            from .fedml_adapter.process_end import abort_mpi_job
+
+            abort_mpi_job(code, MPI.COMM_WORLD)
     except Exception:
         pass
 

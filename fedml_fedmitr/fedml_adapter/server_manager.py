@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import pickle
 import socket
-import sys
 import threading
 import time
 from typing import Dict, List, Optional, Sequence
@@ -49,6 +48,7 @@ from fedml.cross_silo.server.message_define import MyMessage
 from fedml.core.distributed.communication.message import Message
 
 from .errors import ClientFailure, ServerStopped, one_line
+from .process_end import abort_mpi_job
 
 log = logging.getLogger("fedml_fedmitr")
 
@@ -301,24 +301,7 @@ class FedMITRServerManager(FedMLServerManager):
             # a hung rank never finishes and mpirun waits for every rank: end the job (results are written)
             log.warning("server: done; ending the MPI job, whose client process(es) %s never uploaded",
                         _clients_text(self.missing_ranks))
-            for stream in (sys.__stdout__, sys.__stderr__):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
-            for handler in logging.getLogger("fedml_fedmitr").handlers + logging.root.handlers:
-                try:
-                    handler.flush()
-                except Exception:
-                    pass
-            # mpirun forwards a rank's output through a pipe; Abort kills the ranks at once, and on a
-            # busy machine the line above was lost (seen in CI). Give the forwarding a moment.
-            time.sleep(1.0)
-            comm = self.comm
-            if comm is None:
-                from mpi4py import MPI
-                comm = MPI.COMM_WORLD
-            comm.Abort(0)
+            abort_mpi_job(0, self.comm)
         super().finish()
 
 
