@@ -61,8 +61,14 @@ def test_non_vit_models_are_rejected_with_a_clear_message():
 def test_shape_mismatch_names_the_parameter():
     a = tiny_vit()
     b = create_vit("fedmitr_vit_tiny", img_size=16, num_classes=10, in_chans=1, patch_size=4, depth=2)
-    with pytest.raises(ModelError, match="client 3"):
+    with pytest.raises(ModelError, match=r"client 3's uploaded model does not fit the model \(another "
+                                         r"architecture\): parameter 'cls_token' has shape \(1, 1, \d+\)"):
         load_state_checked(a, b.state_dict(), "client 3's uploaded model")
+    state = dict(a.state_dict())
+    state.pop("head.bias")
+    state["extra"] = torch.zeros(1)
+    with pytest.raises(ModelError, match=r"missing keys \['head.bias'\], unexpected keys \['extra'\]"):
+        load_state_checked(a, state, "client 3's uploaded model")
 
 
 def test_save_and_rebuild_global_model(tmp_path):

@@ -211,18 +211,28 @@ class TokenSubsetViT(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Weights
 # ---------------------------------------------------------------------------------------------
+def check_state_fits(state: Mapping[str, torch.Tensor], template: Mapping[str, torch.Tensor], what: str,
+                     ours: str = "the model", advice: str = "") -> None:
+    """``state`` must hold exactly the keys of ``template`` (the model called ``ours``), each a tensor of
+    the same shape; otherwise ModelError names the keys or the parameter (``advice`` is appended)."""
+    tail = f"; {advice}" if advice else ""
+    missing = sorted(set(template) - set(state))
+    extra = sorted(set(state) - set(template))
+    if missing or extra:
+        raise ModelError(f"{what} does not fit {ours} (another architecture): missing keys {missing[:5]}, "
+                         f"unexpected keys {extra[:5]}{tail}")
+    for key, expected in template.items():
+        got = state[key]
+        if not torch.is_tensor(got):
+            raise ModelError(f"{what}: parameter {key!r} is a {type(got).__name__}, expected a tensor")
+        if tuple(got.shape) != tuple(expected.shape):
+            raise ModelError(f"{what} does not fit {ours} (another architecture): parameter {key!r} has shape "
+                             f"{tuple(got.shape)}, {ours} has {tuple(expected.shape)}{tail}")
+
+
 def load_state_checked(model: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> nn.Module:
     """Load ``state`` into ``model`` strictly; a missing key or shape mismatch raises ModelError."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    extra = sorted(set(state) - set(own))
-    if missing or extra:
-        raise ModelError(f"{what} does not fit the model: missing keys {missing[:5]}, "
-                         f"unexpected keys {extra[:5]} (is it the same architecture?)")
-    for key, value in state.items():
-        if tuple(value.shape) != tuple(own[key].shape):
-            raise ModelError(f"{what}: parameter {key!r} has shape {tuple(value.shape)}, the server's "
-                             f"model expects {tuple(own[key].shape)} (another architecture?)")
+    check_state_fits(state, model.state_dict(), what, ours="the model")
     model.load_state_dict(state, strict=True)
     return model
 

@@ -10,26 +10,14 @@ from typing import Mapping
 
 import torch
 
-from ..core.models import ModelError, check_finite
+from ..core.models import check_finite, check_state_fits
 from .errors import ClientFailure
 
 
 def check_architecture(state: Mapping[str, torch.Tensor], template: Mapping[str, torch.Tensor], what: str,
                        ours: str = "the server's model") -> None:
     """``state`` must have exactly the keys and shapes of ``template`` (the model called ``ours``)."""
-    missing = sorted(set(template) - set(state))
-    extra = sorted(set(state) - set(template))
-    if missing or extra:
-        raise ModelError(f"{what} does not fit {ours} (another architecture): missing keys {missing[:5]}, "
-                         f"unexpected keys {extra[:5]}; every party must use the same model_args")
-    for key, expected in template.items():
-        got = state[key]
-        if not torch.is_tensor(got):
-            raise ModelError(f"{what}: parameter {key!r} is a {type(got).__name__}, expected a tensor")
-        if tuple(got.shape) != tuple(expected.shape):
-            raise ModelError(f"{what} does not fit {ours} (another architecture): parameter {key!r} has shape "
-                             f"{tuple(got.shape)}, {ours} has {tuple(expected.shape)}; every party must use "
-                             "the same model_args")
+    check_state_fits(state, template, what, ours, advice="every party must use the same model_args")
 
 
 def check_upload(upload, template: Mapping[str, torch.Tensor]) -> None:
