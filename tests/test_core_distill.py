@@ -4,8 +4,9 @@ import torch
 import torch.nn.functional as F
 
 from fedml_fedmitr.core.config import FedMITRConfig
-from fedml_fedmitr.core.distill import (augment_with_mask, background_targets, distill_student,
+from fedml_fedmitr.core.distill import (DriftGuard, augment_with_mask, background_targets, distill_student,
                                         token_relabel_loss)
+from fedml_fedmitr.core.ensemble import Ensemble, client_weights
 from fedml_fedmitr.core.models import embed_tokens
 from helpers_core import tiny_ensemble, tiny_vit
 
@@ -93,5 +94,64 @@ def test_distillation_resumes_bit_identically(tmp_path):
     state = saved[2]
     resumed = distill_student(tiny_vit(seed=123), ens, imgs, labels, masks, cfg, "cpu", seed=1,
                               resume_state=state)
+    for (k, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_foreground_target_ensemble_relabels_the_kept_tokens_too():
+    ens, student = tiny_ensemble(2), tiny_vit(seed=9)
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([1, 2, 3, 4])
+    mask = random_mask(4, 16, 4)
+    cfg = FedMITRConfig(relabel_weight=0.5, kd_temperature=3.0, foreground_target="ensemble")
+    loss, _ = token_relabel_loss(student, ens, x, y, mask, cfg)
+
+    def kl(on):
+        q = F.softmax(torch.stack([manual_subset_logits(m, x, on) for m in ens.models]).mean(0) / 3, 1)
+        return F.kl_div(F.log_softmax(manual_subset_logits(student, x, on) / 3, 1), q, reduction="batchmean") * 9
+    torch.testing.assert_close(loss, kl(mask) + 0.5 * kl(~mask), rtol=1e-4, atol=1e-5)
+    label_loss, _ = token_relabel_loss(student, ens, x, y, mask, cfg.replace(foreground_target="label"))
+    assert not torch.allclose(loss, label_loss)
+
+
+def _one_model_ensemble(model):
+    return Ensemble([copy.deepcopy(model)], client_weights("mean", [1], [[1] * 10], 10), batched="loop")
+
+
+def test_drift_guard_returns_the_start_when_training_only_drifts():
+    # the ensemble is the student's own start, so nothing can agree with it better than the start:
+    # a destructive learning rate must leave the returned student bit-identical to its start
+    start = tiny_vit(seed=7)
+    ens = _one_model_ensemble(start)
+    imgs, labels, masks = torch.randn(40, 1, 16, 16), torch.arange(40) % 10, random_mask(40, 16, 4)
+    cfg = FedMITRConfig(distill_epochs=3, distill_batch_size=8, distill_lr=0.5, drift_guard="pool_agreement")
+    guarded = distill_student(copy.deepcopy(start), ens, imgs, labels, masks, cfg, "cpu", seed=1)
+    for (k, a), b in zip(start.state_dict().items(), guarded.state_dict().values()):
+        assert torch.equal(a, b), k
+    unguarded = distill_student(copy.deepcopy(start), ens, imgs, labels, masks, cfg.replace(drift_guard="none"),
+                                "cpu", seed=1)
+    assert not torch.equal(unguarded.head.weight, start.head.weight)
+
+
+def test_drift_guard_holds_out_every_kth_image_and_picks_the_best_epoch():
+    ens = tiny_ensemble(2)
+    imgs = torch.randn(40, 1, 16, 16)
+    guard = DriftGuard(ens, imgs, 0.1, "cpu")
+    assert guard.train_positions.tolist() == [i for i in range(40) if i % 10 != 9]
+    assert len(guard.held_out) == 4
+    a, b = tiny_vit(seed=1), tiny_vit(seed=2)
+    sa, sb = guard.observe(a, 0), guard.observe(b, 1)
+    assert guard.best == max(sa, sb) and guard.best_epoch == (1 if sb > sa else 0)
+
+
+def test_guarded_distillation_resumes_bit_identically():
+    ens = tiny_ensemble(2)
+    imgs, labels, masks = torch.randn(30, 1, 16, 16), torch.arange(30) % 10, random_mask(30, 16, 4)
+    cfg = FedMITRConfig(distill_epochs=4, distill_batch_size=8, drift_guard="pool_agreement", guard_fraction=0.2)
+    full = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg, "cpu", seed=1)
+    saved = {}
+    distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg, "cpu", seed=1,
+                    checkpoint=lambda s: saved.setdefault(s["epoch"], copy.deepcopy(s)))
+    resumed = distill_student(tiny_vit(seed=123), ens, imgs, labels, masks, cfg, "cpu", seed=1,
+                              resume_state=saved[2])
     for (k, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), k

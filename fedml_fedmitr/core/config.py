@@ -28,7 +28,16 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "ensemble_aggregate": ("mean", "median", "trimmed_mean"),
     "ensemble_batched": ("auto", "vmap", "loop"),
     "distill_optimizer": ("adamw", "sgd"),
+    "foreground_target": ("label", "ensemble"),
+    "drift_guard": ("none", "pool_agreement"),
 }
+
+# Prune schedules (fractions of inversion_iters). SMI's points suit its thousands of steps; with
+# fewer steps they fall on the first few iterations, while the image is still noise, so a short
+# budget spreads them over the first half (the calibration's schedule).
+SMI_PRUNE_FRACTIONS = [0.0125, 0.025, 0.05, 0.075]
+SHORT_PRUNE_FRACTIONS = [0.1, 0.2, 0.35, 0.5]
+SMI_SCHEDULE_MIN_ITERS = 2000   # below this many inversion steps the short schedule is used
 
 
 @dataclass
@@ -46,7 +55,7 @@ class FedMITRConfig:
     flip: bool = True                   # random horizontal flip during inversion
     inversion: str = "sparse"           # "sparse" (FedMITR) or "dense" (no pruning; ablation)
     prune_at: Optional[List[int]] = None  # explicit prune iterations; overrides prune_fractions
-    prune_fractions: List[float] = field(default_factory=lambda: [0.0125, 0.025, 0.05, 0.075])
+    prune_fractions: Optional[List[float]] = None  # None: SMI's points from 2000 steps on, else 10/20/35/50%
     prune_ratio: float = 0.3            # fraction of kept patches dropped at each prune point (SMI)
 
     # ---- token relabel distillation (stage 2) ----
@@ -60,6 +69,11 @@ class FedMITRConfig:
     kd_temperature: float = 1.0         # T of the background KL (and of kd_full) [choice]
     distill_augment: bool = True        # flip and whole-patch shift of image and mask together
     student_init: str = "fedavg"        # "fedavg" of the clients, "scratch", or "pretrained"
+    foreground_target: str = "label"    # foreground term: "label" (CE to the synthesis label, the paper)
+                                        # or "ensemble" (KL to the ensemble on the same kept tokens)
+    drift_guard: str = "none"           # "pool_agreement": hold out guard_fraction of the pool and return
+                                        # the student (start included) that agrees best with the ensemble there
+    guard_fraction: float = 0.1         # share of the pool held out for the drift guard
 
     # ---- ensemble of client models ----
     ensemble_weighting: str = "mean"    # "mean", "samples" (by sample count), "per_class"
@@ -170,9 +184,11 @@ class FedMITRConfig:
             bad("inversion_betas", "two numbers in [0, 1)")
         if self.jitter < -1:
             bad("jitter", "-1 (automatic) or a number of pixels >= 0")
-        if self.prune_at is None:
+        if not (0.0 < self.guard_fraction < 0.5):
+            bad("guard_fraction", "a fraction in (0, 0.5)")
+        if self.prune_at is None and self.prune_fractions is not None:
             if not self.prune_fractions or not all(0.0 < f < 1.0 for f in self.prune_fractions):
-                bad("prune_fractions", "a non-empty list of fractions of inversion_iters in (0, 1)")
+                bad("prune_fractions", "a non-empty list of fractions of inversion_iters in (0, 1), or null")
         self.prune_iterations(where)  # raises if the resolved schedule is not usable
         return self
 
@@ -180,24 +196,38 @@ class FedMITRConfig:
         """The iterations at which sparse inversion prunes: strictly increasing, in [1, iters)."""
         if self.inversion == "dense":
             return []
+        return self._schedule(where)
+
+    def _schedule(self, where: str = "fedmitr_args") -> List[int]:
+        """The prune points of the sparse schedule (also sizes dense inversion's masks)."""
+        iters = self.inversion_iters
         if self.prune_at is not None:
             points, key = [int(p) for p in self.prune_at], "prune_at"
-        else:
-            points = [max(1, int(round(f * self.inversion_iters))) for f in self.prune_fractions]
+        elif self.prune_fractions is not None:
+            points = [max(1, int(round(f * iters))) for f in self.prune_fractions]
             key = "prune_fractions"
-        ok = bool(points) and all(1 <= p < self.inversion_iters for p in points) and all(
+        else:   # automatic: scaled to the budget; coinciding points of a very short run merge
+            fractions = SMI_PRUNE_FRACTIONS if iters >= SMI_SCHEDULE_MIN_ITERS else SHORT_PRUNE_FRACTIONS
+            points = sorted({max(1, int(round(f * iters))) for f in fractions} - {iters})
+            key = "inversion_iters"
+            if not points:
+                raise ConfigError(f"{where}.inversion_iters = {iters} leaves no room to prune: sparse "
+                                  "inversion needs at least 2 steps (or inversion: dense)")
+            return points
+        ok = bool(points) and all(1 <= p < iters for p in points) and all(
             a < b for a, b in zip(points, points[1:]))
         if not ok:
             raise ConfigError(
                 f"{where}.{key} gives prune iterations {points} for inversion_iters="
-                f"{self.inversion_iters}: expected a non-empty, strictly increasing list of "
-                f"iterations in [1, {self.inversion_iters - 1}] (spread the fractions, e.g. "
-                f"[0.1, 0.2, 0.35, 0.5], or raise inversion_iters)")
+                f"{iters}: expected a non-empty, strictly increasing list of "
+                f"iterations in [1, {iters - 1}] (spread the fractions, e.g. "
+                f"[0.1, 0.2, 0.35, 0.5], leave prune_fractions unset for an automatic schedule, "
+                f"or raise inversion_iters)")
         return points
 
     def num_prunes(self) -> int:
         """How many prune points the sparse schedule has (also for dense inversion's masks)."""
-        return len(self.prune_at) if self.prune_at is not None else len(self.prune_fractions)
+        return len(self._schedule())
 
     def keep_counts(self, num_patches: int) -> List[int]:
         """Number of patches kept after each prune point: max(1, round(N * (1 - r) ** j))."""
@@ -223,6 +253,8 @@ def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
             fail("a list of integers (or null)")
         return [int(v) for v in value]
     if key == "prune_fractions":
+        if value is None:
+            return None
         if not isinstance(value, (list, tuple)) or not all(_is_number(v) for v in value):
             fail("a list of numbers")
         return [float(v) for v in value]

@@ -6,7 +6,15 @@ The loss (``token_relabel_loss``), for images x with label y and keep mask M:
     q   = softmax(E(X_l) / T)        the ensemble relabels the background tokens (no grad)
     L   = CE(g(X_h), y) + lambda * T^2 * KL(q || softmax(g(X_l) / T))
 Ablations: ``kd_full`` (plain KD on full images, T^2 * KL(E(x) || g(x))) and ``ce_foreground``
-(CE on X_h only). The loop (:func:`distill_student`) is deterministic given the seed and can be
+(CE on X_h only). ``foreground_target: ensemble`` replaces the foreground CE by
+T^2 * KL(softmax(E(X_h) / T) || softmax(g(X_h) / T)): the ensemble relabels the kept tokens too.
+
+Drift guard (``drift_guard: pool_agreement``): ``guard_fraction`` of the pool (every k-th image,
+so each class keeps its share) is held out of training; after every epoch the student's agreement
+with the ensemble's prediction on those held-out synthetic images is measured, and the student of
+the best epoch (its start counted as epoch 0; ties keep the earlier) is returned. It needs no data:
+a student that drifts away from what the ensemble knows, or collapses onto a few classes, agrees
+less. The loop (:func:`distill_student`) is deterministic given the seed and can be
 resumed from any finished epoch.
 """
 from __future__ import annotations
@@ -46,7 +54,13 @@ def token_relabel_loss(student: nn.Module, ensemble: Ensemble, x: torch.Tensor, 
             teacher = ensemble(x)
         kl = kd_kl(teacher, student(x), t)
         return kl, {"kl": kl.item()}
-    ce = F.cross_entropy(forward_tokens(student, x, indices_of(mask)), y)
+    idx_h = indices_of(mask)
+    if cfg.foreground_target == "ensemble" and cfg.distill_mode == "token_relabel":
+        with torch.no_grad():
+            h_logits = ensemble(x, idx_h)
+        ce = kd_kl(h_logits, forward_tokens(student, x, idx_h), t)
+    else:
+        ce = F.cross_entropy(forward_tokens(student, x, idx_h), y)
     parts = {"ce": ce.item()}
     loss = ce
     if cfg.distill_mode == "token_relabel" and bool((~mask).any()):
@@ -90,6 +104,11 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
     bit-identical on CPU to one never interrupted.
     """
     student.to(device).train()
+    guard = None
+    if cfg.drift_guard == "pool_agreement":
+        guard = DriftGuard(ensemble, images, cfg.guard_fraction, device)
+        keep = guard.train_positions
+        images, labels, masks = images[keep], labels[keep], masks[keep]
     n = images.shape[0]
     grid = tuple(int(g) for g in student.patch_embed.grid_size)
     patch = tuple(int(p) for p in student.patch_embed.patch_size)
@@ -102,6 +121,11 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
         opt.load_state_dict(resume_state["optimizer"])
         sched.load_state_dict(resume_state["scheduler"])
         start_epoch = int(resume_state["epoch"])
+        if guard is not None:
+            guard.load_state(resume_state.get("guard"))
+    if guard is not None and start_epoch == 0:
+        guard.observe(student, 0)
+        student.train()
     bar = callbacks.progress("distillation", cfg.distill_epochs) if callbacks else None
     if bar is not None:
         bar.update(start_epoch)
@@ -130,13 +154,68 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
             student.train()
             if callbacks is not None:
                 callbacks.metric("distill/test_acc", acc, epoch)
+        if guard is not None:
+            agreement = guard.observe(student, epoch + 1)
+            student.train()
+            if callbacks is not None:
+                callbacks.metric("distill/guard_agreement", agreement, epoch)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{totals.get('loss', 0.0):.3f}")
         if checkpoint is not None:
             checkpoint({"student": student.state_dict(), "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(), "epoch": epoch + 1})
+                        "scheduler": sched.state_dict(), "epoch": epoch + 1,
+                        "guard": guard.state() if guard is not None else None})
     if bar is not None:
         bar.close()
+    if guard is not None:
+        guard.restore_best(student)
+        if callbacks is not None:
+            callbacks.log(f"drift guard: returning the student of epoch {guard.best_epoch} (agreement with the "
+                          f"ensemble {guard.best:.1%} on {len(guard.held_out)} held-out synthetic images)")
     student.eval()
     return student
+
+
+class DriftGuard:
+    """Keeps the student that agrees best with the ensemble on held-out synthetic images."""
+
+    def __init__(self, ensemble: Ensemble, images: torch.Tensor, fraction: float, device):
+        n = images.shape[0]
+        step = max(2, int(round(1.0 / fraction)))
+        positions = torch.arange(n)
+        held = positions[(positions % step) == step - 1]
+        if len(held) == 0 or len(held) == n:
+            raise ValueError(f"drift guard: a pool of {n} images cannot hold out a fraction {fraction}")
+        self.held_out = images[held]
+        self.train_positions = positions[(positions % step) != step - 1]
+        self.device = device
+        with torch.no_grad():
+            self.targets = torch.cat([ensemble(self.held_out[i:i + 256].to(device)).argmax(1).cpu()
+                                      for i in range(0, len(held), 256)])
+        self.best, self.best_epoch, self.best_state = -1.0, -1, None
+
+    @torch.no_grad()
+    def agreement(self, student: nn.Module) -> float:
+        student.eval()
+        preds = torch.cat([student(self.held_out[i:i + 256].to(self.device)).argmax(1).cpu()
+                           for i in range(0, len(self.targets), 256)])
+        return float((preds == self.targets).float().mean())
+
+    def observe(self, student: nn.Module, epoch: int) -> float:
+        score = self.agreement(student)
+        if score > self.best:
+            self.best, self.best_epoch = score, epoch
+            self.best_state = {k: v.detach().cpu().clone() for k, v in student.state_dict().items()}
+        return score
+
+    def restore_best(self, student: nn.Module) -> None:
+        if self.best_state is not None:
+            student.load_state_dict(self.best_state)
+
+    def state(self) -> dict:
+        return {"best": self.best, "best_epoch": self.best_epoch, "best_state": self.best_state}
+
+    def load_state(self, state: Optional[dict]) -> None:
+        if state:
+            self.best, self.best_epoch, self.best_state = state["best"], state["best_epoch"], state["best_state"]
