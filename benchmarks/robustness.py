@@ -1,0 +1,462 @@
+"""Robustness of the FedMITR defaults: one matrix of small federations, FedMITR next to
+DeepInversion and one-shot FedAvg on the same uploads, five seeds per cell.
+
+    python benchmarks/robustness.py                    # the whole matrix, 5 seeds, --jobs 2
+    python benchmarks/robustness.py --cells digits_K5_a0.5 --seeds 0 1 --name probe
+    python benchmarks/robustness.py --set relabel_weight=4 --name lambda4   # an ablation row set
+
+Every cell goes through the plugin's own data path (``fedml_fedmitr.data.load_data`` with a
+FedML-style ``args``), the plugin's model factory, and the core's client training, so a cell gives
+the same clients as ``python -m fedml_fedmitr`` with the same settings. The server methods run
+with ``FedMITRConfig`` defaults and the budget of the shipped configs (``BUDGET`` below: sizes,
+steps, epochs); ``--set KEY=VALUE`` changes a method knob for an ablation.
+
+Per cell and seed it records, for FedMITR: test accuracy per distillation epoch from its start
+(``curve``), how many synthetic images the ensemble assigns their synthesis label
+(``pool_fit``), the class balance of the ensemble's predictions on the pool and on the pool's
+background tokens, per-class accuracy, and whether the global model collapsed (its test
+predictions miss a class that the ensemble predicts correctly at least once).
+
+Three conditions per cell (5-seed means): FedMITR >= 0.9 x ensemble, FedMITR >= its start
+(one-shot FedAvg of the same uploads), and no seed collapsed. Results:
+``benchmarks/results/<name>.json`` and ``.md``. Client uploads and method records are cached
+under ``benchmarks/cache/robust/`` (git-ignored), so a rerun only computes what is missing.
+
+Data: scikit-learn's digits (installed), and, built once from ``../shared/data`` into the cache,
+an MNIST subset (5,000 / 2,000), and CIFAR-10 split into public classes 0-4 (the backbone's
+pretraining data) and a task of classes 5-9 (relabelled 0-4, from the 5k/1k subset).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "data"
+CACHE = ROOT / "benchmarks" / "cache" / "robust"
+RESULTS = ROOT / "benchmarks" / "results"
+
+METHODS = ["FedMITR", "DeepInversion", "OneShotFedAvg"]
+
+# The server budget of the shipped configs (config/fedmitr_sp.yaml and the others): sizes, steps,
+# epochs only. Every method knob comes from FedMITRConfig's defaults.
+BUDGET = dict(num_synthetic=400, synthesis_batch_size=100, inversion_iters=60, distill_epochs=30,
+              distill_batch_size=64)
+
+# Local training of the clients (FedML's train_args) per dataset family: to convergence on a shard.
+CLIENT = {
+    "digits": dict(epochs=30, batch_size=32, learning_rate=0.002, client_augment=False, client_flip=False),
+    "mnist": dict(epochs=15, batch_size=32, learning_rate=0.002, client_augment=False, client_flip=False),
+    "cifar10": dict(epochs=20, batch_size=32, learning_rate=0.002, client_augment=True, client_flip=True),
+}
+
+# The matrix: K from 2 to 10; Dirichlet 0.1 / 0.5 and label-sorted shards of 1-2 classes;
+# clients from one shared random init (scratch) or from a backbone pretrained on public data.
+CELLS: Dict[str, Dict[str, Any]] = {
+    "digits_K5_a0.5": dict(data="digits", clients=5, partition="hetero", alpha=0.5),
+    "digits_K2_a0.5": dict(data="digits", clients=2, partition="hetero", alpha=0.5),
+    "digits_K4_c2": dict(data="digits", clients=4, partition="pathological", classes_per_client=2),
+    "mnist_K5_a0.1": dict(data="mnist", clients=5, partition="hetero", alpha=0.1),
+    "mnist_K10_c1": dict(data="mnist", clients=10, partition="pathological", classes_per_client=1),
+    "digits_K5_a0.1_pre": dict(data="digits", clients=5, partition="hetero", alpha=0.1, backbone="mnist_full"),
+    "cifar10_K10_a0.1_pre": dict(data="cifar10", clients=10, partition="hetero", alpha=0.1,
+                                 backbone="cifar10_public"),
+    "cifar10_K5_c2_pre": dict(data="cifar10", clients=5, partition="pathological", classes_per_client=2,
+                              backbone="cifar10_public"),
+}
+
+BACKBONES = {  # public pretraining data, disjoint from the federated task
+    "mnist_full": dict(npz="mnist_full.npz", epochs=2),
+    "cifar10_public": dict(npz="cifar10_public.npz", epochs=5),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Data built once into the cache
+# ---------------------------------------------------------------------------------------------
+def _save_npz(path: Path, **arrays) -> None:
+    import numpy as np
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def build_data() -> None:
+    """The MNIST subset, MNIST in full, and the CIFAR-10 public/task split, under the cache."""
+    import numpy as np
+    data = CACHE / "data"
+    if not (data / "mnist_5k.npz").exists() or not (data / "mnist_full.npz").exists():
+        z = np.load(SHARED / "mnist.npz")
+        rng = np.random.default_rng(0)
+        tr = np.concatenate([rng.permutation(np.flatnonzero(z["y_train"] == c))[:500] for c in range(10)])
+        te = np.concatenate([rng.permutation(np.flatnonzero(z["y_test"] == c))[:200] for c in range(10)])
+        _save_npz(data / "mnist_5k.npz", x_train=z["x_train"][tr], y_train=z["y_train"][tr],
+                  x_test=z["x_test"][te], y_test=z["y_test"][te])
+        _save_npz(data / "mnist_full.npz", **{k: z[k] for k in ("x_train", "y_train", "x_test", "y_test")})
+    if not (data / "cifar10_task.npz").exists() or not (data / "cifar10_public.npz").exists():
+        small = np.load(SHARED / "cifar10_small.npz")
+        keep_tr, keep_te = small["y_train"] >= 5, small["y_test"] >= 5
+        _save_npz(data / "cifar10_task.npz", x_train=small["x_train"][keep_tr], y_train=small["y_train"][keep_tr] - 5,
+                  x_test=small["x_test"][keep_te], y_test=small["y_test"][keep_te] - 5)
+        full = data / "cifar10_full.npz"
+        if not full.exists():
+            import subprocess
+            subprocess.run([sys.executable, str(SHARED / "build_cifar10.py"), str(full)], check=True)
+        z = np.load(full)
+        pub_tr, pub_te = z["y_train"] < 5, z["y_test"] < 5
+        _save_npz(data / "cifar10_public.npz", x_train=z["x_train"][pub_tr], y_train=z["y_train"][pub_tr],
+                  x_test=z["x_test"][pub_te], y_test=z["y_test"][pub_te])
+    # validation archives: a fifth of each task's training images held out (stratified), the rest
+    # for the clients; knobs are chosen on these (--split val), never on the test images
+    from fedml_fedmitr.data import digits_arrays
+    x_tr, y_tr, _, _ = digits_arrays(0, 0.2)
+    sources = {"digits": (x_tr, y_tr)}
+    for fam, name in (("mnist", "mnist_5k.npz"), ("cifar10", "cifar10_task.npz")):
+        z = np.load(data / name)
+        sources[fam] = (z["x_train"], z["y_train"])
+    for fam, (x, y) in sources.items():
+        out = data / f"{fam}_val.npz"
+        if out.exists():
+            continue
+        rng = np.random.default_rng(7)
+        held = np.zeros(len(y), dtype=bool)
+        for c in np.unique(y):
+            idx = rng.permutation(np.flatnonzero(y == c))
+            held[idx[:len(idx) // 5]] = True
+        _save_npz(out, x_train=x[~held], y_train=y[~held], x_test=x[held], y_test=y[held])
+
+
+def cell_args(cell: Dict[str, Any], seed: int, split: str = "test") -> SimpleNamespace:
+    """FedML-style args of one cell: what the YAML sections of the same run would hold. With
+    ``split="val"`` the clients get four fifths of the training images and the rest is the
+    evaluation set (the validation split on which knobs are chosen)."""
+    fam = cell["data"]
+    args = dict(dataset="digits" if fam == "digits" and split == "test" else "npz", random_seed=seed, model="fedmitr_vit_micro",
+                img_size=16, patch_size=4, client_num_in_total=cell["clients"],
+                client_num_per_round=cell["clients"], partition_method=cell["partition"],
+                partition_alpha=cell.get("alpha", 0.5), classes_per_client=cell.get("classes_per_client", 2),
+                client_optimizer="adamw", weight_decay=0.05, data_cache_dir=str(CACHE / "data"))
+    if split == "val":
+        args["npz_path"] = str(CACHE / "data" / f"{fam}_val.npz")
+    elif fam != "digits":
+        args["npz_path"] = str(CACHE / "data" / ("mnist_5k.npz" if fam == "mnist" else "cifar10_task.npz"))
+    args.update(CLIENT[fam])
+    if cell.get("backbone"):
+        args["pretrained_path"] = str(CACHE / "backbones" / f"{cell['backbone']}.pt")
+    return SimpleNamespace(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side (torch is imported here only)
+# ---------------------------------------------------------------------------------------------
+def _init_worker(threads: int) -> None:
+    import torch
+    torch.set_num_threads(threads)
+
+
+def pretrain_backbone(name: str) -> Dict[str, Any]:
+    """A micro ViT trained on a public archive (all of its classes), cached."""
+    import torch
+    from fedml_fedmitr.core.client import train_local
+    from fedml_fedmitr.core.evaluate import evaluate_model
+    from fedml_fedmitr.data import load_data
+    from fedml_fedmitr.fedml_adapter.config import client_train_config
+    from fedml_fedmitr.fedml_adapter.model import create_model
+
+    path = CACHE / "backbones" / f"{name}.pt"
+    meta_path = path.with_suffix(".json")
+    if path.exists() and meta_path.exists():
+        return json.loads(meta_path.read_text())
+    spec = BACKBONES[name]
+    fam = "mnist" if name.startswith("mnist") else "cifar10"
+    args = SimpleNamespace(dataset="npz", npz_path=str(CACHE / "data" / spec["npz"]), random_seed=1234,
+                           model="fedmitr_vit_micro", img_size=16, patch_size=4, client_num_in_total=1,
+                           client_num_per_round=1, partition_method="homo", client_optimizer="adamw",
+                           weight_decay=0.05, **dict(CLIENT[fam], epochs=spec["epochs"], batch_size=128))
+    dataset, n = load_data(args)
+    model = create_model(args, n)
+    t = time.perf_counter()
+    train_local(model, dataset[2], client_train_config(args), torch.device("cpu"))
+    acc = evaluate_model(model, dataset[3], torch.device("cpu"), n)["acc"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": model.state_dict()}, str(path.with_suffix(".tmp")))
+    os.replace(path.with_suffix(".tmp"), path)
+    meta = {"backbone": name, "train_images": int(dataset[0]), "epochs": spec["epochs"], "test_acc": acc,
+            "train_s": time.perf_counter() - t}
+    meta_path.write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def _clients(cell_name: str, split: str, seed: int, args, dataset, n, device):
+    """Train (or load) the cell's client uploads for ``seed``."""
+    import torch
+    from fedml_fedmitr.core.client import train_client
+    from fedml_fedmitr.core.methods import ClientUpload
+    from fedml_fedmitr.fedml_adapter.config import client_train_config
+    from fedml_fedmitr.fedml_adapter.model import create_model
+
+    path = CACHE / "clients" / f"{cell_name}_{split}_s{seed}.pt"
+    if path.exists():
+        blob = torch.load(str(path), map_location="cpu", weights_only=False)
+        return [ClientUpload.from_payload(p) for p in blob["uploads"]], blob["init"], blob["train_s"]
+    init = create_model(args, n).state_dict()
+    cfg = client_train_config(args)
+    uploads, t = [], time.perf_counter()
+    for k in range(int(args.client_num_in_total)):
+        model = create_model(args, n)
+        torch.manual_seed(seed * 1000 + k)
+        uploads.append(train_client(k, model, dataset[5][k], cfg, device, n))
+    train_s = time.perf_counter() - t
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"uploads": [u.to_payload() for u in uploads], "init": init, "train_s": train_s},
+               str(path.with_suffix(".tmp")))
+    os.replace(path.with_suffix(".tmp"), path)
+    return uploads, init, train_s
+
+
+def _predictions(fn, loader, device):
+    import torch
+    preds, ys = [], []
+    with torch.no_grad():
+        for x, y in loader:
+            preds.append(fn(x.to(device)).argmax(1).cpu())
+            ys.append(y)
+    return torch.cat(preds), torch.cat(ys)
+
+
+def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods: Sequence[str],
+                  split: str = "test") -> Dict[str, Any]:
+    """Clients, then every method on the same uploads; returns the record of (cell, seed)."""
+    import torch
+    from fedml_fedmitr.core.config import FedMITRConfig
+    from fedml_fedmitr.core.ensemble import Ensemble
+    from fedml_fedmitr.core.evaluate import evaluate_ensemble, evaluate_model
+    from fedml_fedmitr.core.inversion import indices_of
+    from fedml_fedmitr.core.methods import Callbacks, ServerContext, get_method
+    from fedml_fedmitr.data import load_data
+    from fedml_fedmitr.fedml_adapter.model import create_model
+
+    device = torch.device("cpu")
+    cell = CELLS[cell_name]
+    args = cell_args(cell, seed, split)
+    dataset, n = load_data(args)
+    info = args.fedmitr_data_info
+    uploads, init, train_s = _clients(cell_name, split, seed, args, dataset, n, device)
+    test = dataset[3]
+
+    def model_fn():
+        m = create_model(args, n)
+        m.load_state_dict(init)
+        return m
+
+    client_acc = []
+    for u in uploads:
+        m = model_fn()
+        m.load_state_dict(u.state_dict)
+        client_acc.append(evaluate_model(m, test, device, n)["acc"])
+    ens = Ensemble.from_uploads(uploads, model_fn, n, FedMITRConfig(), device)
+    ens_pred, y_test = _predictions(ens, test, device)
+    ens_correct = sorted(set(int(c) for c in ens_pred[ens_pred == y_test].tolist()))
+    record: Dict[str, Any] = {
+        "cell": cell_name, "seed": seed, "client_acc": client_acc, "clients_train_s": train_s,
+        "ensemble_acc": float((ens_pred == y_test).float().mean()), "ensemble_correct_classes": ens_correct,
+        "client_label_counts": info.client_label_counts, "methods": {}}
+
+    class Recorder(Callbacks):
+        def __init__(self):
+            super().__init__(progress=False)
+            self.curve = []
+
+        def metric(self, name, value, step):
+            if name == "distill/test_acc":
+                self.curve.append(float(value))
+
+    for name in methods:
+        key_cfg = dict(BUDGET, **overrides, progress=False, save_images=False)
+        cache_key = hashlib.sha256(json.dumps([cell_name, split, seed, name, key_cfg], sort_keys=True).encode()).hexdigest()[:16]
+        cpath = CACHE / "records" / f"{cell_name}_{split}_s{seed}_{name}_{cache_key}.json"
+        if cpath.exists():
+            record["methods"][name] = json.loads(cpath.read_text())
+            continue
+        cfg = FedMITRConfig.from_dict(dict(key_cfg, eval_every=1), where="robustness")
+        rec = Recorder()
+        ctx = ServerContext(model_fn=model_fn, num_classes=n, input_shape=info.input_shape, mean=info.mean,
+                            std=info.std, device=device, eval_loader=test, callbacks=rec, seed=seed,
+                            pretrained_state=init if cell.get("backbone") else None)
+        method = get_method(name)(cfg)
+        seen = {}
+        if hasattr(method, "distill"):
+            plain = method.distill
+
+            def distill(pool, c, plain=plain):
+                seen["pool"] = pool
+                seen["start"] = evaluate_model(method.student, test, device, n)["acc"]
+                return plain(pool, c)
+
+            method.distill = distill
+        t = time.perf_counter()
+        result = method.run(uploads, ctx)
+        m = result.metrics
+        pred, _ = _predictions(result.model, test, device)
+        covered = sorted(set(int(c) for c in pred.tolist()))
+        out = {"test_acc": m["test_acc"], "start_acc": seen.get("start", m["test_acc"]),
+               "curve": rec.curve, "per_class_acc": m.get("per_class_acc"),
+               "predicted_classes": covered,
+               "collapsed": any(c not in covered for c in ens_correct),
+               "synthesis_s": m["timings"].get("synthesis_s"), "distill_s": m["timings"].get("distill_s"),
+               "total_s": time.perf_counter() - t}
+        pool = seen.get("pool")
+        if pool is not None and hasattr(pool, "tensors"):
+            images, labels, masks = pool.tensors()
+            with torch.no_grad():
+                full = torch.cat([method.ensemble(images[i:i + 256]).argmax(1) for i in range(0, len(labels), 256)])
+                bg = []
+                for i in range(0, len(labels), 256):
+                    mk = masks[i:i + 256]
+                    if bool((~mk).any()):
+                        bg.append(method.ensemble(images[i:i + 256], indices_of(~mk)).argmax(1))
+            out["pool_fit"] = float((full == labels).float().mean())
+            out["pool_pred_balance"] = torch.bincount(full, minlength=n).tolist()
+            if bg:
+                bgp = torch.cat(bg)
+                out["background_pred_balance"] = torch.bincount(bgp, minlength=n).tolist()
+                out["background_fit"] = float((bgp == labels).float().mean())
+            out["foreground_tokens"] = int(masks[0].sum())
+        cpath.parent.mkdir(parents=True, exist_ok=True)
+        cpath.write_text(json.dumps(out))
+        record["methods"][name] = out
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+def _mean(v: Sequence[float]) -> float:
+    return sum(v) / len(v)
+
+
+def summarise(records: List[Dict[str, Any]], cells: Sequence[str], seeds: Sequence[int],
+              methods: Sequence[str]) -> Dict[str, Any]:
+    by = {(r["cell"], r["seed"]): r for r in records}
+    out = {}
+    for c in cells:
+        rs = [by[(c, s)] for s in seeds if (c, s) in by]
+        if not rs:
+            continue
+        row = {"seeds": [r["seed"] for r in rs], "ensemble_acc": _mean([r["ensemble_acc"] for r in rs]),
+               "ensemble_per_seed": [r["ensemble_acc"] for r in rs],
+               "client_acc_mean": _mean([_mean(r["client_acc"]) for r in rs]), "methods": {}}
+        for m in methods:
+            vals = [r["methods"][m] for r in rs if m in r["methods"]]
+            if not vals:
+                continue
+            row["methods"][m] = {"test_acc": _mean([v["test_acc"] for v in vals]),
+                                 "per_seed": [v["test_acc"] for v in vals],
+                                 "start_acc": _mean([v["start_acc"] for v in vals]),
+                                 "collapsed_seeds": [r["seed"] for r, v in zip(rs, vals) if v["collapsed"]],
+                                 "pool_fit": _mean([v["pool_fit"] for v in vals]) if "pool_fit" in vals[0] else None}
+        f = row["methods"].get("FedMITR")
+        if f:
+            row["conditions"] = {"ratio_to_ensemble": f["test_acc"] / max(row["ensemble_acc"], 1e-9),
+                                 "at_least_0.9_ensemble": f["test_acc"] >= 0.9 * row["ensemble_acc"],
+                                 "not_below_start": f["test_acc"] >= f["start_acc"],
+                                 "no_collapse": not f["collapsed_seeds"]}
+            row["conditions"]["all"] = all(v for k, v in row["conditions"].items() if k != "ratio_to_ensemble")
+        out[c] = row
+    return out
+
+
+def markdown(summary: Dict[str, Any], settings: Dict[str, Any]) -> str:
+    methods = settings["methods"]
+    lines = [f"# FedMITR defaults: robustness matrix ({settings['name']})", "",
+             f"Command: `{settings['command']}`", "",
+             f"Server budget: {settings['budget']}; overrides: {settings['overrides'] or 'none (defaults)'}; "
+             f"evaluated on the {'validation split' if settings['split'] == 'val' else 'test set'}.",
+             "Accuracies in %, mean over seeds (per seed after it). Start = one-shot FedAvg of the same uploads "
+             "(FedMITR's student initialisation).", "",
+             "| cell | seeds | ensemble | " + " | ".join(methods) + " | FedMITR / ens | >= start | no collapse | all |",
+             "|---|---|---:|" + "---:|" * len(methods) + "---:|:-:|:-:|:-:|"]
+    for c, row in summary.items():
+        cells = []
+        for m in methods:
+            v = row["methods"].get(m)
+            cells.append("-" if v is None else f"{100 * v['test_acc']:.1f} ({' / '.join(f'{100 * a:.0f}' for a in v['per_seed'])})")
+        cond = row.get("conditions")
+        tail = ["-"] * 4 if not cond else [f"{cond['ratio_to_ensemble']:.2f}", "yes" if cond["not_below_start"] else "NO",
+                                            "yes" if cond["no_collapse"] else "NO", "yes" if cond["all"] else "NO"]
+        lines.append(f"| {c} | {len(row['seeds'])} | {100 * row['ensemble_acc']:.1f} | " + " | ".join(cells) + " | "
+                     + " | ".join(tail) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_set(items: Sequence[str]) -> Dict[str, Any]:
+    import yaml
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE (a fedmitr_args key)")
+        k, v = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    p.add_argument("--methods", nargs="+", default=METHODS)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="fedmitr_args overrides")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per job")
+    p.add_argument("--name", default="robust_defaults")
+    p.add_argument("--split", choices=["test", "val"], default="test",
+                   help="evaluate on the test images, or on a validation split held out of the training images")
+    a = p.parse_args(argv)
+    overrides = parse_set(a.set)
+    from fedml_fedmitr.core.config import FedMITRConfig
+    FedMITRConfig.from_dict(dict(BUDGET, **overrides), where="--set")   # fail before any work
+    build_data()
+    needed = sorted({CELLS[c]["backbone"] for c in a.cells if CELLS[c].get("backbone")})
+    t0 = time.perf_counter()
+    backbones = {}
+    with ProcessPoolExecutor(max_workers=a.jobs, initializer=_init_worker, initargs=(a.threads,)) as pool:
+        for b, meta in zip(needed, pool.map(pretrain_backbone, needed)):
+            backbones[b] = meta
+            print(f"backbone {b}: {meta['train_images']} public images, test acc {meta['test_acc']:.3f}", flush=True)
+        futures = {pool.submit(run_cell_seed, c, s, overrides, a.methods, a.split): (c, s) for s in a.seeds for c in a.cells}
+        records = []
+        for fut in as_completed(futures):
+            r = fut.result()
+            records.append(r)
+            ms = ", ".join(f"{k} {100 * v['test_acc']:.1f}" for k, v in r["methods"].items())
+            print(f"[{time.perf_counter() - t0:6.0f} s] {r['cell']} seed {r['seed']}: ensemble "
+                  f"{100 * r['ensemble_acc']:.1f}, {ms}", flush=True)
+    records.sort(key=lambda r: (a.cells.index(r["cell"]), r["seed"]))
+    summary = summarise(records, a.cells, a.seeds, a.methods)
+    settings = {"name": a.name, "command": "python benchmarks/robustness.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "budget": BUDGET, "overrides": overrides, "split": a.split, "methods": a.methods, "seeds": a.seeds,
+                "cells": {c: CELLS[c] for c in a.cells}, "client_training": CLIENT, "backbones": backbones,
+                "defaults": FedMITRConfig().to_dict(), "wall_s": time.perf_counter() - t0}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{a.name}.json").write_text(json.dumps({"settings": settings, "summary": summary, "records": records},
+                                                       indent=1))
+    md = markdown(summary, settings)
+    (RESULTS / f"{a.name}.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
