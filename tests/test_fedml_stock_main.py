@@ -86,3 +86,28 @@ def test_registration_hook_and_model_check(tmp_path, tmp_home, procs):
     assert "not a timm VisionTransformer" in refused and "class-token ViT" in refused
     unknown = [l for l in p.stdout.splitlines() if l.startswith("UNKNOWN:")][0]
     assert "'FedMagic'" in unknown and "FedMITR" in unknown
+
+
+def test_estimated_normalisation_maps_the_pixel_range_onto_the_data_range():
+    """A stock main.py's normalised data: the inferred (mean, std) must send pixels 0 and 1 to the
+    data's own min and max, so synthetic images span the same range as the real ones."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fedml_fedmitr.fedml_adapter.aggregator import estimate_mean_std
+
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.rand(64, 3, 8, 8, generator=g)
+    pixels[0].fill_(0.0)
+    pixels[1].fill_(1.0)
+    true_mean, true_std = torch.tensor([0.49, 0.48, 0.45]), torch.tensor([0.25, 0.24, 0.26])
+    cases = {"[-1, 1]": (pixels * 2 - 1, torch.full((3,), 0.5), torch.full((3,), 0.5)),
+             "mean/std": ((pixels - true_mean.view(1, 3, 1, 1)) / true_std.view(1, 3, 1, 1), true_mean, true_std)}
+    for name, (x, mean, std) in cases.items():
+        got_mean, got_std = estimate_mean_std(DataLoader(TensorDataset(x, torch.zeros(64)), batch_size=16), 3)
+        torch.testing.assert_close(torch.tensor(got_mean), mean, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(torch.tensor(got_std), std, rtol=1e-4, atol=1e-5, msg=name)
+        lo = (0 - torch.tensor(got_mean)) / torch.tensor(got_std)
+        hi = (1 - torch.tensor(got_mean)) / torch.tensor(got_std)
+        torch.testing.assert_close(lo, x.transpose(0, 1).reshape(3, -1).min(1).values, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(hi, x.transpose(0, 1).reshape(3, -1).max(1).values, rtol=1e-4, atol=1e-4)

@@ -56,7 +56,8 @@ def estimate_mean_std(loader, channels: int):
         x = x.detach().float().cpu()
         lo = torch.minimum(lo, x.transpose(0, 1).reshape(channels, -1).min(dim=1).values)
         hi = torch.maximum(hi, x.transpose(0, 1).reshape(channels, -1).max(dim=1).values)
-    std = (hi - lo).clamp_min(1e-6)
+    # x = (p - mean) / std maps pixels p in [0, 1] onto [lo, hi]: std = 1 / (hi - lo), mean = -lo * std
+    std = 1.0 / (hi - lo).clamp_min(1e-6)
     mean = -lo * std
     return mean.tolist(), std.tolist()
 
