@@ -43,7 +43,7 @@ def test_token_relabel_loss_matches_its_definition():
     ens, student = tiny_ensemble(2), tiny_vit(seed=9)
     x, y = torch.randn(4, 1, 16, 16), torch.tensor([1, 2, 3, 4])
     mask = random_mask(4, 16, 4)
-    cfg = FedMITRConfig(relabel_weight=0.5, kd_temperature=3.0)
+    cfg = FedMITRConfig(relabel_weight=0.5, kd_temperature=3.0, foreground_target="label")  # the paper's loss
     loss, parts = token_relabel_loss(student, ens, x, y, mask, cfg)
     ce = F.cross_entropy(manual_subset_logits(student, x, mask), y)
     q = F.softmax(torch.stack([manual_subset_logits(m, x, ~mask) for m in ens.models]).mean(0) / 3, 1)

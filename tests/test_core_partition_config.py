@@ -77,3 +77,16 @@ def test_automatic_prune_schedule_fits_every_budget():
     assert FedMITRConfig(inversion_iters=40, inversion="dense").prune_iterations() == []
     with pytest.raises(ConfigError, match="inversion_iters = 1 leaves no room to prune"):
         FedMITRConfig.from_dict({"inversion_iters": 1})
+
+
+def test_inversion_augments_as_the_clients_trained():
+    from fedml_fedmitr.core.config import resolve_augmentation
+    cfg = FedMITRConfig()
+    assert resolve_augmentation(cfg, 16, client_augment=True, client_flip=True) == (2, True)
+    assert resolve_augmentation(cfg, 16, client_augment=False, client_flip=False) == (0, False)
+    assert resolve_augmentation(cfg, 32, client_augment=True, client_flip=False) == (4, False)
+    # set explicitly, they win
+    assert resolve_augmentation(FedMITRConfig(jitter=1, flip=True), 16, False, False) == (1, True)
+    assert FedMITRConfig.from_dict({"flip": None}).flip is None
+    with pytest.raises(ConfigError, match="fedmitr_args.flip = 'yes' is invalid: expected true, false or null"):
+        FedMITRConfig.from_dict({"flip": "yes"})

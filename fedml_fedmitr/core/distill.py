@@ -74,13 +74,13 @@ def token_relabel_loss(student: nn.Module, ensemble: Ensemble, x: torch.Tensor, 
 
 
 def augment_with_mask(x: torch.Tensor, mask: torch.Tensor, grid: Tuple[int, int], patch: Tuple[int, int],
-                      gen: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+                      gen: torch.Generator, allow_flip: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """Random whole-patch shift (roll, up to one patch) and h-flip of a batch, applied to the images
     and their keep masks together so each mask still marks the same content."""
     gh, gw = grid
     sr = int(torch.randint(-1, 2, (1,), generator=gen)) if gh > 1 else 0
     sc = int(torch.randint(-1, 2, (1,), generator=gen)) if gw > 1 else 0
-    flip = bool(torch.rand(1, generator=gen).item() < 0.5)
+    flip = bool(torch.rand(1, generator=gen).item() < 0.5) and allow_flip
     x = torch.roll(x, shifts=(sr * patch[0], sc * patch[1]), dims=(2, 3))
     if flip:
         x = x.flip(3)
@@ -95,7 +95,7 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
                     masks: torch.Tensor, cfg: FedMITRConfig, device, seed: int = 0, callbacks=None,
                     eval_fn: Optional[Callable[[nn.Module], float]] = None,
                     checkpoint: Optional[Callable[[dict], None]] = None,
-                    resume_state: Optional[dict] = None) -> nn.Module:
+                    resume_state: Optional[dict] = None, flip: bool = True) -> nn.Module:
     """Train ``student`` on the pool for ``cfg.distill_epochs`` epochs.
 
     ``checkpoint(state)`` is called after every epoch with everything needed to continue
@@ -137,7 +137,7 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
             idx = order[s * cfg.distill_batch_size:(s + 1) * cfg.distill_batch_size]
             x, y, m = images[idx].to(device), labels[idx].to(device), masks[idx].to(device)
             if cfg.distill_augment:
-                x, m = augment_with_mask(x, m, grid, patch, gen)
+                x, m = augment_with_mask(x, m, grid, patch, gen, allow_flip=flip)
             loss, parts = token_relabel_loss(student, ensemble, x, y, m, cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()

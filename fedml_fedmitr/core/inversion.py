@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .config import FedMITRConfig
+from .config import FedMITRConfig, resolve_augmentation
 from .ensemble import Ensemble
 
 
@@ -110,7 +110,8 @@ class SparseModelInversion:
     """Synthesizer: inverts the ensemble into images, pruning low-attention patches as it goes."""
 
     def __init__(self, ensemble: Ensemble, cfg: FedMITRConfig, input_shape: Sequence[int],
-                 mean: Sequence[float], std: Sequence[float], device, callbacks=None):
+                 mean: Sequence[float], std: Sequence[float], device, callbacks=None,
+                 client_augment: bool = True, client_flip: bool = True):
         self.ensemble = ensemble
         self.cfg = cfg
         self.c, self.h, self.w = (int(v) for v in input_shape)
@@ -126,7 +127,7 @@ class SparseModelInversion:
         self.prune_points = cfg.prune_iterations()
         self.keep_counts = cfg.keep_counts(self.num_patches) if self.prune_points else []
         self.callbacks = callbacks
-        self.jitter = cfg.jitter if cfg.jitter >= 0 else max(1, min(self.h, self.w) // 8)
+        self.jitter, self.flip = resolve_augmentation(cfg, min(self.h, self.w), client_augment, client_flip)
 
     def _prune(self, x: torch.Tensor, keep: torch.Tensor, count: int) -> torch.Tensor:
         """Keep the ``count`` currently-kept patches of highest ensemble CLS attention."""
@@ -158,7 +159,7 @@ class SparseModelInversion:
             # jitter (roll) + flip; the keep set follows the image, to the nearest whole patch
             dy = int(torch.randint(-self.jitter, self.jitter + 1, (1,), generator=gen))
             dx = int(torch.randint(-self.jitter, self.jitter + 1, (1,), generator=gen))
-            flip = bool(cfg.flip and torch.rand(1, generator=gen).item() < 0.5)
+            flip = bool(self.flip and torch.rand(1, generator=gen).item() < 0.5)
             x_a = torch.roll(x, shifts=(dy, dx), dims=(2, 3))
             if flip:
                 x_a = x_a.flip(3)

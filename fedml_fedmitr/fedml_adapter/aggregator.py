@@ -62,6 +62,16 @@ def estimate_mean_std(loader, channels: int):
     return mean.tolist(), std.tolist()
 
 
+def _resolved_settings(cfg, train_config, model) -> Dict[str, Any]:
+    """The prune points, keep counts and inversion augmentation the defaults resolved to."""
+    from ..core.config import resolve_augmentation
+    side = int(model.patch_embed.img_size[0])
+    n = int(model.patch_embed.num_patches)
+    jitter, flip = resolve_augmentation(cfg, side, bool(train_config.augment), bool(train_config.flip))
+    return {"prune_iterations": cfg.prune_iterations(), "keep_counts": cfg.keep_counts(n) if cfg.prune_iterations() else [],
+            "num_patches": n, "inversion_jitter": jitter, "flip": flip}
+
+
 class FedMITRServerAggregator(ServerAggregator):
     def __init__(self, model, args, fedmitr_config=None, device=None, test_data=None,
                  start_time: Optional[float] = None, train_config=None):
@@ -188,7 +198,8 @@ class FedMITRServerAggregator(ServerAggregator):
                              mean=list(mean), std=list(std), device=device, eval_loader=self.test_data,
                              state_dir=out / "state", callbacks=self.callbacks,
                              seed=int(cfg.seed if cfg.seed is not None else getattr(self.args, "random_seed", 0)),
-                             pretrained_state=dict(self.template_state) if pretrained else None)
+                             pretrained_state=dict(self.template_state) if pretrained else None,
+                             client_augment=bool(self.train_config.augment), client_flip=bool(self.train_config.flip))
 
     def aggregate(self, raw_client_model_or_grad_list):
         uploads = self.uploads_from(raw_client_model_or_grad_list)
@@ -272,6 +283,8 @@ class FedMITRServerAggregator(ServerAggregator):
                                ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "momentum",
                                 "augment", "flip", "label_smoothing")},
                 "data": info.to_dict() if info is not None else None,
+                # what the automatic settings resolved to for this run
+                "resolved": _resolved_settings(cfg, self.train_config, self.model),
                 "yaml_config_file": getattr(self.args, "yaml_config_file", None),
             },
         }

@@ -98,6 +98,8 @@ class ServerContext:
     callbacks: Callbacks = field(default_factory=Callbacks)
     seed: int = 0
     pretrained_state: Optional[Dict[str, torch.Tensor]] = None  # for student_init: pretrained
+    client_augment: bool = True         # the clients trained with random crops (train_args.client_augment)
+    client_flip: bool = True            # ... and horizontal flips (train_args.client_flip)
 
 
 @dataclass

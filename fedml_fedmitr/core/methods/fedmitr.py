@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import load_if_exists, save_atomic
-from ..config import FedMITRConfig
+from ..config import FedMITRConfig, resolve_augmentation
 from ..distill import distill_student
 from ..evaluate import evaluate_model
 from ..inversion import SparseModelInversion, SyntheticPool, balanced_labels
@@ -32,7 +32,7 @@ class FedMITR(ServerMethod):
     def synthesize(self, ctx: ServerContext) -> SyntheticPool:
         cfg = self.config
         inverter = SparseModelInversion(self.ensemble, cfg, ctx.input_shape, ctx.mean, ctx.std, ctx.device,
-                                        ctx.callbacks)
+                                        ctx.callbacks, ctx.client_augment, ctx.client_flip)
         path = self._state_path(ctx, "pool.pt")
         saved = load_if_exists(path) if cfg.resume else None
         pool = SyntheticPool.from_state(saved) if saved is not None else SyntheticPool()
@@ -73,7 +73,8 @@ class FedMITR(ServerMethod):
         checkpoint = (lambda state: save_atomic({**state, "rng": _rng_state()}, path)) if path is not None else None
         return distill_student(self.student, self.ensemble, images, labels, masks, self.config, ctx.device,
                                seed=ctx.seed, callbacks=ctx.callbacks, eval_fn=eval_fn,
-                               checkpoint=checkpoint, resume_state=resume_state)
+                               checkpoint=checkpoint, resume_state=resume_state,
+                               flip=resolve_augmentation(self.config, 0, ctx.client_augment, ctx.client_flip)[1])
 
     def evaluate(self, model, ctx):
         metrics = super().evaluate(model, ctx)
