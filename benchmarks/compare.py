@@ -24,10 +24,10 @@ cache; a record that exists is reused, so an interrupted suite continues where i
     python benchmarks/compare.py --dataset digits --clients 3 --scale tiny \\
         --methods OneShotFedAvg FedMITR
     # (A) scratch backbone, CIFAR-10 (5k/1k) archive, Dirichlet 0.5, 5 clients, 3 seeds
-    python benchmarks/compare.py --dataset npz --npz /work/shared/data/cifar10_small.npz \\
+    python benchmarks/compare.py --dataset npz --npz ../shared/data/cifar10_small.npz \\
         --partition hetero --alpha 0.5 --clients 5 --seeds 0 1 2 --scale cpu --jobs 2
     # (B) pretrained backbone: pretrain on classes 0-4, federate the 5-class task on classes 5-9
-    python benchmarks/compare.py --dataset npz --npz /work/shared/data/cifar10_small.npz \\
+    python benchmarks/compare.py --dataset npz --npz ../shared/data/cifar10_small.npz \\
         --backbone pretrained --partition hetero --alpha 0.5 --clients 5 --seeds 0 1 2 --scale cpu --jobs 2
 
 Backbones: ``scratch``: the clients start from one shared random init (seeded by the seed).
@@ -1206,7 +1206,8 @@ def job_method(job: Dict[str, Any], device) -> Dict[str, Any]:
                         mean=data["mean"], std=data["std"], device=device,
                         eval_loader=_loader(*data["test"], 256, False), state_dir=None,
                         callbacks=Callbacks(progress=False), seed=seed,
-                        pretrained_state=init if settings["backbone"] == "pretrained" else None)
+                        pretrained_state=init if settings["backbone"] == "pretrained" else None,
+                        client_augment=_client_cfg(settings).augment, client_flip=_client_cfg(settings).flip)
     # count the images each method passes through the ensemble (the test evaluation excluded)
     counter = {"on": True, "n": 0}
     original = ensemble_module.Ensemble.client_logits

@@ -66,7 +66,7 @@ CLIENT = {
 CELLS: Dict[str, Dict[str, Any]] = {
     "digits_K5_a0.5": dict(data="digits", clients=5, partition="hetero", alpha=0.5),
     "digits_K2_a0.5": dict(data="digits", clients=2, partition="hetero", alpha=0.5),
-    "digits_K4_c2": dict(data="digits", clients=4, partition="pathological", classes_per_client=2),
+    "digits_K5_c2": dict(data="digits", clients=5, partition="pathological", classes_per_client=2),
     "mnist_K5_a0.1": dict(data="mnist", clients=5, partition="hetero", alpha=0.1),
     "mnist_K10_c1": dict(data="mnist", clients=10, partition="pathological", classes_per_client=1),
     "digits_K5_a0.1_pre": dict(data="digits", clients=5, partition="hetero", alpha=0.1, backbone="mnist_full"),
@@ -236,8 +236,16 @@ def _predictions(fn, loader, device):
     return torch.cat(preds), torch.cat(ys)
 
 
+def core_version() -> str:
+    """A hash of the core's source: a method record computed by other code is not reused."""
+    h = hashlib.sha256()
+    for f in sorted((ROOT / "fedml_fedmitr" / "core").rglob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods: Sequence[str],
-                  split: str = "test") -> Dict[str, Any]:
+                  split: str = "test", cached_only: bool = False) -> Dict[str, Any]:
     """Clients, then every method on the same uploads; returns the record of (cell, seed)."""
     import torch
     from fedml_fedmitr.core.config import FedMITRConfig
@@ -255,6 +263,8 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
     info = args.fedmitr_data_info
     uploads, init, train_s = _clients(cell_name, split, seed, args, dataset, n, device)
     test = dataset[3]
+    from fedml_fedmitr.fedml_adapter.config import client_train_config
+    client_train = client_train_config(args)
 
     def model_fn():
         m = create_model(args, n)
@@ -285,16 +295,19 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
 
     for name in methods:
         key_cfg = dict(BUDGET, **overrides, progress=False, save_images=False)
-        cache_key = hashlib.sha256(json.dumps([cell_name, split, seed, name, key_cfg], sort_keys=True).encode()).hexdigest()[:16]
+        cache_key = hashlib.sha256(json.dumps([cell_name, split, seed, name, key_cfg, core_version()], sort_keys=True).encode()).hexdigest()[:16]
         cpath = CACHE / "records" / f"{cell_name}_{split}_s{seed}_{name}_{cache_key}.json"
         if cpath.exists():
             record["methods"][name] = json.loads(cpath.read_text())
+            continue
+        if cached_only:
             continue
         cfg = FedMITRConfig.from_dict(dict(key_cfg, eval_every=1), where="robustness")
         rec = Recorder()
         ctx = ServerContext(model_fn=model_fn, num_classes=n, input_shape=info.input_shape, mean=info.mean,
                             std=info.std, device=device, eval_loader=test, callbacks=rec, seed=seed,
-                            pretrained_state=init if cell.get("backbone") else None)
+                            pretrained_state=init if cell.get("backbone") else None,
+                            client_augment=client_train.augment, client_flip=client_train.flip)
         method = get_method(name)(cfg)
         seen = {}
         if hasattr(method, "distill"):
@@ -311,10 +324,15 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
         m = result.metrics
         pred, _ = _predictions(result.model, test, device)
         covered = sorted(set(int(c) for c in pred.tolist()))
+        # the method's own teacher (its ensemble_weighting), and the classes it gets right at least once
+        teacher = Ensemble.from_uploads(uploads, model_fn, n, method.config, device)
+        t_pred, _ = _predictions(teacher, test, device)
+        teacher_correct = sorted(set(int(c) for c in t_pred[t_pred == y_test].tolist()))
         out = {"test_acc": m["test_acc"], "start_acc": seen.get("start", m["test_acc"]),
+               "teacher_acc": float((t_pred == y_test).float().mean()), "teacher_correct_classes": teacher_correct,
                "curve": rec.curve, "per_class_acc": m.get("per_class_acc"),
                "predicted_classes": covered,
-               "collapsed": any(c not in covered for c in ens_correct),
+               "collapsed": any(c not in covered for c in teacher_correct),
                "synthesis_s": m["timings"].get("synthesis_s"), "distill_s": m["timings"].get("distill_s"),
                "total_s": time.perf_counter() - t}
         pool = seen.get("pool")
@@ -347,6 +365,19 @@ def _mean(v: Sequence[float]) -> float:
     return sum(v) / len(v)
 
 
+def paired(diffs: Sequence[float]) -> Dict[str, Any]:
+    """Mean of paired differences (FedMITR minus a method, per seed) in accuracy points, with the
+    95% confidence interval of the t distribution (none for a single seed)."""
+    pts = [100.0 * d for d in diffs]
+    out: Dict[str, Any] = {"per_seed": pts, "mean_diff": _mean(pts) if pts else None, "ci95": None}
+    if len(pts) >= 2:
+        from scipy.stats import t
+        sd = math.sqrt(sum((v - out["mean_diff"]) ** 2 for v in pts) / (len(pts) - 1))
+        half = t.ppf(0.975, len(pts) - 1) * sd / math.sqrt(len(pts))
+        out["ci95"] = [out["mean_diff"] - half, out["mean_diff"] + half]
+    return out
+
+
 def summarise(records: List[Dict[str, Any]], cells: Sequence[str], seeds: Sequence[int],
               methods: Sequence[str]) -> Dict[str, Any]:
     by = {(r["cell"], r["seed"]): r for r in records}
@@ -359,18 +390,29 @@ def summarise(records: List[Dict[str, Any]], cells: Sequence[str], seeds: Sequen
                "ensemble_per_seed": [r["ensemble_acc"] for r in rs],
                "client_acc_mean": _mean([_mean(r["client_acc"]) for r in rs]), "methods": {}}
         for m in methods:
-            vals = [r["methods"][m] for r in rs if m in r["methods"]]
-            if not vals:
+            pairs = [(r, r["methods"][m]) for r in rs if m in r["methods"]]
+            if not pairs:
                 continue
+            vals = [v for _, v in pairs]
             row["methods"][m] = {"test_acc": _mean([v["test_acc"] for v in vals]),
+                                 "teacher_acc": _mean([v.get("teacher_acc", r["ensemble_acc"]) for r, v in pairs]),
                                  "per_seed": [v["test_acc"] for v in vals],
+                                 "seeds": [r["seed"] for r, _ in pairs],
                                  "start_acc": _mean([v["start_acc"] for v in vals]),
-                                 "collapsed_seeds": [r["seed"] for r, v in zip(rs, vals) if v["collapsed"]],
+                                 "collapsed_seeds": [r["seed"] for r, v in pairs if v["collapsed"]],
                                  "pool_fit": _mean([v["pool_fit"] for v in vals]) if "pool_fit" in vals[0] else None}
         f = row["methods"].get("FedMITR")
         if f:
-            row["conditions"] = {"ratio_to_ensemble": f["test_acc"] / max(row["ensemble_acc"], 1e-9),
-                                 "at_least_0.9_ensemble": f["test_acc"] >= 0.9 * row["ensemble_acc"],
+            row["paired_vs_fedmitr"] = {}
+            for m in methods:
+                if m == "FedMITR" or m not in row["methods"]:
+                    continue
+                diffs = [r["methods"]["FedMITR"]["test_acc"] - r["methods"][m]["test_acc"] for r in rs
+                         if m in r["methods"] and "FedMITR" in r["methods"]]
+                row["paired_vs_fedmitr"][m] = paired(diffs)
+            # against FedMITR's own teacher: the ensemble of its ensemble_weighting
+            row["conditions"] = {"ratio_to_ensemble": f["test_acc"] / max(f["teacher_acc"], 1e-9),
+                                 "at_least_0.9_ensemble": f["test_acc"] >= 0.9 * f["teacher_acc"],
                                  "not_below_start": f["test_acc"] >= f["start_acc"],
                                  "no_collapse": not f["collapsed_seeds"]}
             row["conditions"]["all"] = all(v for k, v in row["conditions"].items() if k != "ratio_to_ensemble")
@@ -386,18 +428,41 @@ def markdown(summary: Dict[str, Any], settings: Dict[str, Any]) -> str:
              f"evaluated on the {'validation split' if settings['split'] == 'val' else 'test set'}.",
              "Accuracies in %, mean over seeds (per seed after it). Start = one-shot FedAvg of the same uploads "
              "(FedMITR's student initialisation).", "",
-             "| cell | seeds | ensemble | " + " | ".join(methods) + " | FedMITR / ens | >= start | no collapse | all |",
-             "|---|---|---:|" + "---:|" * len(methods) + "---:|:-:|:-:|:-:|"]
+             "Ensemble: the mean of the client logits; teacher: FedMITR's own ensemble (its `ensemble_weighting`), "
+             "the one the conditions compare with. Collapsed: the global model never predicts a class the "
+             "teacher gets right at least once.", "",
+             "| cell | seeds | ensemble | teacher | " + " | ".join(methods) + " | FedMITR / teacher | >= start | no collapse | all |",
+             "|---|---|---:|---:|" + "---:|" * len(methods) + "---:|:-:|:-:|:-:|"]
     for c, row in summary.items():
         cells = []
         for m in methods:
             v = row["methods"].get(m)
-            cells.append("-" if v is None else f"{100 * v['test_acc']:.1f} ({' / '.join(f'{100 * a:.0f}' for a in v['per_seed'])})")
+            cells.append("-" if v is None else f"{100 * v['test_acc']:.1f} ({' / '.join(f'{100 * a:.0f}' for a in v['per_seed'])})"
+                         + ("" if len(v["seeds"]) == len(row["seeds"]) else f" [seeds {', '.join(map(str, v['seeds']))}]"))
         cond = row.get("conditions")
         tail = ["-"] * 4 if not cond else [f"{cond['ratio_to_ensemble']:.2f}", "yes" if cond["not_below_start"] else "NO",
                                             "yes" if cond["no_collapse"] else "NO", "yes" if cond["all"] else "NO"]
-        lines.append(f"| {c} | {len(row['seeds'])} | {100 * row['ensemble_acc']:.1f} | " + " | ".join(cells) + " | "
+        f = row["methods"].get("FedMITR")
+        teacher = f"{100 * f['teacher_acc']:.1f}" if f else "-"
+        lines.append(f"| {c} | {len(row['seeds'])} | {100 * row['ensemble_acc']:.1f} | {teacher} | " + " | ".join(cells) + " | "
                      + " | ".join(tail) + " |")
+    others = [m for m in methods if m != "FedMITR"]
+    if "FedMITR" in methods and others:
+        lines += ["", "Paired differences, FedMITR minus each method, accuracy points: mean over the seeds both ran "
+                  "[95% interval, t distribution]; an order holds only where the interval excludes 0.", "",
+                  "| cell | " + " | ".join(f"FedMITR - {m}" for m in others) + " |",
+                  "|---|" + "---:|" * len(others)]
+        for c, row in summary.items():
+            vals = []
+            for m in others:
+                d = row.get("paired_vs_fedmitr", {}).get(m)
+                if not d or d["mean_diff"] is None:
+                    vals.append("-")
+                elif d["ci95"] is None:
+                    vals.append(f"{d['mean_diff']:+.1f}")
+                else:
+                    vals.append(f"{d['mean_diff']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]")
+            lines.append(f"| {c} | " + " | ".join(vals) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -421,6 +486,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per job")
     p.add_argument("--name", default="robust_defaults")
+    p.add_argument("--cached-only", action="store_true",
+                   help="report the method records already computed; compute nothing new (e.g. a method run "
+                        "on fewer seeds than the others)")
     p.add_argument("--split", choices=["test", "val"], default="test",
                    help="evaluate on the test images, or on a validation split held out of the training images")
     a = p.parse_args(argv)
@@ -435,10 +503,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for b, meta in zip(needed, pool.map(pretrain_backbone, needed)):
             backbones[b] = meta
             print(f"backbone {b}: {meta['train_images']} public images, test acc {meta['test_acc']:.3f}", flush=True)
-        futures = {pool.submit(run_cell_seed, c, s, overrides, a.methods, a.split): (c, s) for s in a.seeds for c in a.cells}
+        futures = {pool.submit(run_cell_seed, c, s, overrides, a.methods, a.split, a.cached_only): (c, s) for s in a.seeds for c in a.cells}
         records = []
         for fut in as_completed(futures):
-            r = fut.result()
+            try:
+                r = fut.result()
+            except Exception as exc:   # one failed (cell, seed) is reported, the others go on
+                c, s = futures[fut]
+                print(f"FAILED {c} seed {s}: {type(exc).__name__}: {exc}", flush=True)
+                continue
             records.append(r)
             ms = ", ".join(f"{k} {100 * v['test_acc']:.1f}" for k, v in r["methods"].items())
             print(f"[{time.perf_counter() - t0:6.0f} s] {r['cell']} seed {r['seed']}: ensemble "
