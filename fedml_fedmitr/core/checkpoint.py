@@ -18,6 +18,12 @@ def save_atomic(obj: Any, path: Path) -> None:
 
 
 def load_if_exists(path: Optional[Path]) -> Optional[Any]:
+    """A checkpoint written by :func:`save_atomic`, read with ``weights_only=True`` (tensors and plain
+    containers only: a planted file cannot run code); None when there is none."""
     if path is None or not Path(path).is_file():
         return None
-    return torch.load(str(path), map_location="cpu", weights_only=False)
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"checkpoint {str(path)!r} cannot be read as weights only ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:200]}); delete it, or run without resume") from exc

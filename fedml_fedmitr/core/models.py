@@ -95,7 +95,12 @@ def load_pretrained_file(model: VisionTransformer, path) -> VisionTransformer:
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"pretrained_path {str(path)!r} does not exist or is not a file")
-    blob = torch.load(str(path), map_location="cpu", weights_only=False)
+    try:  # weights_only: a checkpoint from elsewhere cannot run code when it is read
+        blob = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ModelError(f"pretrained_path {str(path)!r} cannot be read as weights only ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:200]}); save it as a plain state_dict "
+                         "(torch.save(model.state_dict(), PATH))") from exc
     state = blob
     for key in ("state_dict", "model", "state_dict_ema"):
         if isinstance(state, dict) and key in state and isinstance(state[key], dict):
@@ -282,7 +287,7 @@ def load_global_model(path, map_location="cpu") -> VisionTransformer:
 
     ``meta`` holds the timm name (``model``), ``img_size``, ``num_classes``, ``in_chans``,
     ``patch_size`` and optional ``model_kwargs`` (other timm arguments, e.g. ``depth``)."""
-    blob = torch.load(str(path), map_location=map_location, weights_only=False)
+    blob = torch.load(str(path), map_location=map_location, weights_only=True)  # no code runs on load
     meta = blob["meta"]
     model = create_vit(meta["model"], img_size=meta["img_size"], num_classes=meta["num_classes"],
                        in_chans=meta["in_chans"], patch_size=meta.get("patch_size"),

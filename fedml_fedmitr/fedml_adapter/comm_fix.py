@@ -5,8 +5,13 @@ GRPC busy-spin: ``GRPCCommManager.message_handling_subroutine`` loops on
 loop, so every idle party (a client waiting for the global model, the server waiting for
 uploads) burns a full core. On a small machine the idle clients starve the server's long
 one-shot ``aggregate()``. :func:`apply_grpc_fix` replaces that one method with a blocking
-``queue.get(timeout=...)`` loop that handles messages exactly as FedML does (same unpickling,
-same sender-address bookkeeping, same observer calls, same lock).
+``queue.get(timeout=...)`` loop that handles messages as FedML does (same sender-address
+bookkeeping, same observer calls, same lock), with one difference: FedML calls ``pickle.loads``
+on whatever reaches the port, which runs any code a crafted message carries. The loop here reads
+messages with :func:`fedml_fedmitr.fedml_adapter.safe_pickle.safe_loads` (FedML's message types
+only); a refused or malformed message is dropped with one logged line naming the peer that sent
+it, and the loop goes on. To name that peer, the servicer's ``sendMessage`` is patched to queue
+the gRPC peer address with the bytes.
 
 MPI: ``MpiCommunicationManager.handle_receive_message`` polls its queue every 0.1 ms, and its
 ``_free_q`` calls ``q.get_no_wait()`` (a typo: ``AttributeError`` if a message is still queued
@@ -17,9 +22,10 @@ Both patches are idempotent and change only those methods.
 from __future__ import annotations
 
 import logging
-import pickle
 import queue
 import time
+
+from .safe_pickle import RefusedMessage, safe_loads
 
 log = logging.getLogger("fedml_fedmitr")
 
@@ -35,24 +41,34 @@ def _grpc_message_handling_subroutine(self):
     message_q = self.grpc_servicer.message_q
     while self.is_running:
         try:
-            msg_pkl = message_q.get(timeout=POLL_S)
+            item = message_q.get(timeout=POLL_S)
         except queue.Empty:
             continue
-        gcm.lock.acquire()
+        peer, msg_pkl = item if isinstance(item, tuple) else ("this process", item)
         try:
-            busy_time_start_time = time.time()
-            msg = pickle.loads(msg_pkl)
+            msg = safe_loads(msg_pkl)
+            if not hasattr(msg, "get_type") or not hasattr(msg, "get_params"):
+                raise RefusedMessage(f"it holds a {type(msg).__name__}, not a FedML Message")
             msg_type = msg.get_type()
             sender_id = int(msg.get_sender_id())
+            mapping = None
             if sender_id not in self.grpc_mappings:
                 params = msg.get_params()
                 sender_ip = str(params[gcm.GRPCCommManager.MSG_ARG_KEY_SENDER_IP])
-                self.grpc_mappings[sender_id] = gcm.GRPCMapping(
+                mapping = gcm.GRPCMapping(
                     eid=sender_id,
                     rank=int(params[gcm.GRPCCommManager.MSG_ARG_KEY_SENDER_RANK]),
                     grpc_server_ip=sender_ip,
                     grpc_server_port=int(params[gcm.GRPCCommManager.MSG_ARG_KEY_SENDER_PORT]),
                     ingress_ip=sender_ip)
+        except (RefusedMessage, KeyError, TypeError, ValueError) as exc:
+            log.warning("refused a message from %s: %s", peer, exc)
+            continue
+        gcm.lock.acquire()
+        try:
+            busy_time_start_time = time.time()
+            if mapping is not None:
+                self.grpc_mappings[sender_id] = mapping
             for observer in list(self._observers):
                 observer.receive_message(msg_type, msg)
             MLOpsProfilerEvent.log_to_wandb({"BusyTime": time.time() - busy_time_start_time})
@@ -64,22 +80,44 @@ def _grpc_message_handling_subroutine(self):
 _grpc_message_handling_subroutine.__fedmitr_fix__ = True
 
 
+def _grpc_send_message(self, request, context):
+    """FedML's servicer ``sendMessage``, queueing (peer address, bytes) instead of the bytes."""
+    from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2
+    from fedml.core.distributed.communication.grpc import grpc_server
+
+    peer = f"{context.peer()} (claims client_{request.client_id})"
+    with grpc_server.lock:
+        self.message_q.put((peer, request.message))
+    return grpc_comm_manager_pb2.CommResponse()
+
+
+_grpc_send_message.__fedmitr_fix__ = True
+
+
 def apply_grpc_fix() -> None:
     from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
+    from fedml.core.distributed.communication.grpc.grpc_server import GRPCCOMMServicer
 
     if not getattr(GRPCCommManager.message_handling_subroutine, "__fedmitr_fix__", False):
         GRPCCommManager.__fedmitr_original_subroutine__ = GRPCCommManager.message_handling_subroutine
         GRPCCommManager.message_handling_subroutine = _grpc_message_handling_subroutine
-        log.debug("fedml_fedmitr: GRPC receive loop now blocks instead of spinning")
+        GRPCCOMMServicer.__fedmitr_original_send__ = GRPCCOMMServicer.sendMessage
+        GRPCCOMMServicer.sendMessage = _grpc_send_message
+        log.debug("fedml_fedmitr: GRPC receive loop now blocks instead of spinning and refuses foreign pickles")
 
 
 def remove_grpc_fix() -> None:
     """Restore FedML's original GRPC loop (for tests that demonstrate the bug)."""
     from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
 
+    from fedml.core.distributed.communication.grpc.grpc_server import GRPCCOMMServicer
+
     original = GRPCCommManager.__dict__.get("__fedmitr_original_subroutine__")
     if original is not None:
         GRPCCommManager.message_handling_subroutine = original
+    send = GRPCCOMMServicer.__dict__.get("__fedmitr_original_send__")
+    if send is not None:
+        GRPCCOMMServicer.sendMessage = send
 
 
 def _mpi_handle_receive_message(self):

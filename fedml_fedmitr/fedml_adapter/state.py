@@ -79,7 +79,7 @@ def load_uploads(path) -> Dict[str, Any]:
         raise StateError(f"no saved client uploads at {str(path)!r} (the server saves them to "
                          f"<output_dir>/{STATE_DIR}/{UPLOADS_NAME} once every upload arrived)")
     try:
-        blob = torch.load(str(path), map_location="cpu", weights_only=False)
+        blob = torch.load(str(path), map_location="cpu", weights_only=True)  # a planted file cannot run code
     except Exception as exc:
         raise StateError(f"saved client uploads {str(path)!r} cannot be read: {exc}") from exc
     if not isinstance(blob, dict) or blob.get("version") != UPLOADS_VERSION or not isinstance(blob.get("uploads"), list):
