@@ -477,6 +477,36 @@ def parse_set(items: Sequence[str]) -> Dict[str, Any]:
     return out
 
 
+def merge_results(a, argv) -> int:
+    """One report from the records of several result files (e.g. a method run on fewer seeds)."""
+    merged: Dict[Any, Dict[str, Any]] = {}
+    sources = []
+    for name in a.merge:
+        blob = json.loads((RESULTS / f"{name}.json").read_text())
+        sources.append({"name": name, "command": blob["settings"]["command"]})
+        for r in blob["records"]:
+            key = (r["cell"], r["seed"])
+            if key not in merged:
+                merged[key] = dict(r, methods=dict(r["methods"]))
+            else:
+                merged[key]["methods"].update(r["methods"])
+    records = sorted(merged.values(), key=lambda r: (list(CELLS).index(r["cell"]), r["seed"]))
+    cells = [c for c in CELLS if any(r["cell"] == c for r in records)]
+    seeds = sorted({r["seed"] for r in records})
+    methods = [m for m in METHODS if any(m in r["methods"] for r in records)]
+    summary = summarise(records, cells, seeds, methods)
+    first = json.loads((RESULTS / f"{a.merge[0]}.json").read_text())["settings"]
+    settings = dict(first, name=a.name, methods=methods, seeds=seeds, merged_from=sources,
+                    command="python benchmarks/robustness.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    (RESULTS / f"{a.name}.json").write_text(json.dumps({"settings": settings, "summary": summary, "records": records},
+                                                       indent=1))
+    md = markdown(summary, settings)
+    md += "\nMerged from: " + "; ".join(f"`{s['command']}`" for s in sources) + "\n"
+    (RESULTS / f"{a.name}.md").write_text(md)
+    print(md)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
@@ -489,10 +519,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--cached-only", action="store_true",
                    help="report the method records already computed; compute nothing new (e.g. a method run "
                         "on fewer seeds than the others)")
+    p.add_argument("--merge", nargs="+", metavar="NAME",
+                   help="write --name from the records of these earlier results (benchmarks/results/NAME.json), "
+                        "the methods of each (cell, seed) joined; runs nothing")
     p.add_argument("--split", choices=["test", "val"], default="test",
                    help="evaluate on the test images, or on a validation split held out of the training images")
     a = p.parse_args(argv)
     overrides = parse_set(a.set)
+    if a.merge:
+        return merge_results(a, argv)
     from fedml_fedmitr.core.config import FedMITRConfig
     FedMITRConfig.from_dict(dict(BUDGET, **overrides), where="--set")   # fail before any work
     build_data()
