@@ -68,7 +68,8 @@ def _resolved_settings(cfg, train_config, model) -> Dict[str, Any]:
     side = int(model.patch_embed.img_size[0])
     n = int(model.patch_embed.num_patches)
     jitter, flip = resolve_augmentation(cfg, side, bool(train_config.augment), bool(train_config.flip))
-    return {"prune_iterations": cfg.prune_iterations(), "keep_counts": cfg.keep_counts(n) if cfg.prune_iterations() else [],
+    points = cfg.prune_iterations()
+    return {"prune_iterations": points, "keep_counts": cfg.keep_counts(n) if points else [],
             "num_patches": n, "inversion_jitter": jitter, "flip": flip}
 
 

@@ -74,7 +74,8 @@ class FedMITR(ServerMethod):
         return distill_student(self.student, self.ensemble, images, labels, masks, self.config, ctx.device,
                                seed=ctx.seed, callbacks=ctx.callbacks, eval_fn=eval_fn,
                                checkpoint=checkpoint, resume_state=resume_state,
-                               flip=resolve_augmentation(self.config, 0, ctx.client_augment, ctx.client_flip)[1])
+                               flip=resolve_augmentation(self.config, min(ctx.input_shape[1:]), ctx.client_augment,
+                                                         ctx.client_flip)[1])
 
     def evaluate(self, model, ctx):
         metrics = super().evaluate(model, ctx)
