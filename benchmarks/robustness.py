@@ -47,7 +47,12 @@ SHARED = ROOT.parent / "shared" / "data"
 CACHE = ROOT / "benchmarks" / "cache" / "robust"
 RESULTS = ROOT / "benchmarks" / "results"
 
-METHODS = ["FedMITR", "DeepInversion", "OneShotFedAvg"]
+METHODS = ["FedMITR", "DeepInversion", "OneShotFedAvg", "KD-real", "KD-real-plain"]
+# References, not methods: FedMITR's distillation (same student start, loss, budget) on real unlabelled
+# training images in place of the synthetic pool, with token-relabel masks from the ensemble's
+# attention on them (KD-real) or plain KD on full images (KD-real-plain). They separate a weak
+# teacher or a short distillation from weak synthesis.
+REFERENCES = {"KD-real": "FedMITR", "KD-real-plain": "FedMITR-kd"}
 
 # The server budget of the shipped configs (config/fedmitr_sp.yaml and the others): sizes, steps,
 # epochs only. Every method knob comes from FedMITRConfig's defaults.
@@ -244,6 +249,48 @@ def core_version() -> str:
     return h.hexdigest()[:12]
 
 
+def real_pool_method(base_name: str, images):
+    """FedMITR's method ``base_name`` with its synthesis replaced by ``images`` (real, unlabelled): each
+    image labelled by the ensemble's argmax, its foreground the top attention patches, as many as the
+    sparse schedule keeps."""
+    import torch
+    from fedml_fedmitr.core.inversion import SparseModelInversion, SyntheticBatch, SyntheticPool
+    from fedml_fedmitr.core.methods import get_method
+
+    class RealPool(get_method(base_name)):
+        def synthesize(self, ctx):
+            inv = SparseModelInversion(self.ensemble, self.config, ctx.input_shape, ctx.mean, ctx.std, ctx.device)
+            fraction = self.config.keep_fraction(inv.num_patches)
+            pool, bs = SyntheticPool(), self.config.synthesis_batch_size
+            for i in range(0, len(images), bs):
+                x = images[i:i + bs].to(ctx.device)
+                with torch.no_grad():
+                    y = self.ensemble(x).argmax(1)
+                pool.add(SyntheticBatch(x, y, inv.attention_mask(x, fraction)))
+            return pool
+
+    return RealPool
+
+
+def attention_probe(ensemble, loader, k: int, seed: int) -> Dict[str, Any]:
+    """The ensemble's accuracy on real test images seen through only k patches: the k of highest
+    last-block CLS attention (on the full image), k random ones, and the k lowest."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    hits = {"top_k": 0, "random_k": 0, "bottom_k": 0}
+    total = 0
+    with torch.no_grad():
+        for x, y in loader:
+            _, attn = ensemble(x, None, return_attn=True)
+            n = attn.shape[1]
+            order = attn.argsort(dim=1, descending=True)
+            rand = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(len(y))])
+            for name, idx in (("top_k", order[:, :k]), ("random_k", rand), ("bottom_k", order[:, -k:])):
+                hits[name] += int((ensemble(x, idx.sort(dim=1).values).argmax(1) == y).sum())
+            total += len(y)
+    return dict({name: v / total for name, v in hits.items()}, k=k, num_patches=n)
+
+
 def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods: Sequence[str],
                   split: str = "test", cached_only: bool = False) -> Dict[str, Any]:
     """Clients, then every method on the same uploads; returns the record of (cell, seed)."""
@@ -284,6 +331,11 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
         "ensemble_acc": float((ens_pred == y_test).float().mean()), "ensemble_correct_classes": ens_correct,
         "client_label_counts": info.client_label_counts, "methods": {}}
 
+    from fedml_fedmitr.core.config import FedMITRConfig as _Cfg
+    grid = create_model(args, n).patch_embed.grid_size
+    k = _Cfg.from_dict(dict(BUDGET, **overrides), where="robustness").keep_counts(int(grid[0] * grid[1]))[-1]
+    record["attention_probe"] = attention_probe(ens, test, k, seed)
+
     class Recorder(Callbacks):
         def __init__(self):
             super().__init__(progress=False)
@@ -308,7 +360,13 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
                             std=info.std, device=device, eval_loader=test, callbacks=rec, seed=seed,
                             pretrained_state=init if cell.get("backbone") else None,
                             client_augment=client_train.augment, client_flip=client_train.flip)
-        method = get_method(name)(cfg)
+        if name in REFERENCES:
+            g = torch.Generator().manual_seed(seed)
+            x_real = dataset[2].dataset.tensors[0]
+            x_real = x_real[torch.randperm(len(x_real), generator=g)[:cfg.num_synthetic]]
+            method = real_pool_method(REFERENCES[name], x_real)(cfg)
+        else:
+            method = get_method(name)(cfg)
         seen = {}
         if hasattr(method, "distill"):
             plain = method.distill
@@ -389,6 +447,12 @@ def summarise(records: List[Dict[str, Any]], cells: Sequence[str], seeds: Sequen
         row = {"seeds": [r["seed"] for r in rs], "ensemble_acc": _mean([r["ensemble_acc"] for r in rs]),
                "ensemble_per_seed": [r["ensemble_acc"] for r in rs],
                "client_acc_mean": _mean([_mean(r["client_acc"]) for r in rs]), "methods": {}}
+        probes = [r["attention_probe"] for r in rs if "attention_probe" in r]
+        if probes:
+            row["attention_probe"] = dict({key: _mean([p[key] for p in probes])
+                                           for key in ("top_k", "random_k", "bottom_k")},
+                                          k=probes[0]["k"], num_patches=probes[0]["num_patches"],
+                                          top_minus_random=paired([p["top_k"] - p["random_k"] for p in probes]))
         for m in methods:
             pairs = [(r, r["methods"][m]) for r in rs if m in r["methods"]]
             if not pairs:
@@ -463,6 +527,17 @@ def markdown(summary: Dict[str, Any], settings: Dict[str, Any]) -> str:
                 else:
                     vals.append(f"{d['mean_diff']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]")
             lines.append(f"| {c} | " + " | ".join(vals) + " |")
+    probed = {c: row["attention_probe"] for c, row in summary.items() if "attention_probe" in row}
+    if probed:
+        lines += ["", "Attention probe: the ensemble's accuracy on the test images seen through only k patches "
+                  "(k = what FedMITR keeps), chosen by its last-block CLS attention (top), at random, or the "
+                  "lowest (bottom); top - random is paired by seed [95% interval].", "",
+                  "| cell | k / patches | top-k | random-k | bottom-k | top - random |", "|---|---:|---:|---:|---:|---:|"]
+        for c, pr in probed.items():
+            d = pr["top_minus_random"]
+            ci = "" if d["ci95"] is None else f" [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]"
+            lines.append(f"| {c} | {pr['k']} / {pr['num_patches']} | {100 * pr['top_k']:.1f} | {100 * pr['random_k']:.1f} | "
+                         f"{100 * pr['bottom_k']:.1f} | {d['mean_diff']:+.1f}{ci} |")
     return "\n".join(lines) + "\n"
 
 
@@ -490,6 +565,8 @@ def merge_results(a, argv) -> int:
                 merged[key] = dict(r, methods=dict(r["methods"]))
             else:
                 merged[key]["methods"].update(r["methods"])
+            if "attention_probe" in r:
+                merged[key]["attention_probe"] = r["attention_probe"]
     records = sorted(merged.values(), key=lambda r: (list(CELLS).index(r["cell"]), r["seed"]))
     cells = [c for c in CELLS if any(r["cell"] == c for r in records)]
     seeds = sorted({r["seed"] for r in records})
