@@ -110,8 +110,8 @@ def validate_sections(sections, path: str):
     """:func:`validate` of already loaded YAML sections (``path`` names the file in messages)."""
     from .core.config import ConfigError
     from .core.methods import method_names
-    from .fedml_adapter.config import (check_data_args, check_model_args, check_run_args,
-                                       client_train_config, fedmitr_section, flatten)
+    from .fedml_adapter.config import (check_data_args, check_model_args, check_run_args, check_run_keys,
+                                       check_unapplied, client_train_config, fedmitr_section, flatten)
     from .core.config import FedMITRConfig
 
     flat = SimpleNamespace(**flatten(sections))
@@ -122,6 +122,14 @@ def validate_sections(sections, path: str):
                           f"fedml_fedmitr: expected one of {', '.join(names)} (FedML's own optimizers run "
                           "with FedML's own main.py)")
     FedMITRConfig.from_dict(fedmitr_section(sections, path), where="fedmitr_args")
+    check_unapplied(sections)
+    from .fedml_adapter.grpc_security import security_from
+    security_from({k: v for k, v in (sections.get("fedmitr_args") or {}).items()})   # files and token, up front
+    unknown = check_run_keys(sections, path)
+    if unknown:
+        logging.getLogger("fedml_fedmitr").warning(
+            "fedml_fedmitr: warning: %s in %s: not a setting FedML or fedml_fedmitr reads, no effect (list it in "
+            "fedmitr_args.custom_keys if it is your own)", ", ".join(unknown), path)
     client_train_config(flat)
     check_run_args(flat)
     check_data_args(flat)
@@ -141,12 +149,25 @@ def validate_sections(sections, path: str):
 def preflight(sections, flat) -> None:
     """The checks of :func:`validate` that look at files: the dataset's files, arrays, ``class_num`` and
     partition (:func:`fedml_fedmitr.data.preflight`), and a writable ``output_dir``. Still FedML-free."""
-    from .core.config import FedMITRConfig
     from .data import preflight as data_preflight
-    from .fedml_adapter.config import check_output_dir
+    from .fedml_adapter.config import check_output_dir, read_fedmitr_config
 
     data_preflight(flat, class_num_key=_section_of(sections, "class_num", "data_args"))
-    check_output_dir(FedMITRConfig.from_dict(sections.get("fedmitr_args") or {}).output_dir)
+    check_output_dir(read_fedmitr_config(SimpleNamespace(yaml_config_file="", fedmitr_args=sections.get("fedmitr_args")
+                                                         or {})).output_dir, create=True)
+    check_gpu(sections, flat)
+
+
+def check_gpu(sections, flat) -> None:
+    """``using_gpu: true`` on a machine where torch sees no CUDA device is refused (FedML would run on
+    the CPU with one INFO line)."""
+    from .core.config import ConfigError
+
+    if getattr(flat, "using_gpu", False) is True:
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{_section_of(sections, 'using_gpu', 'common_args')} = true but torch sees no CUDA "
+                              "device on this machine; set using_gpu: false to run on the CPU")
 
 
 def _set_threads(flat) -> None:
@@ -159,12 +180,36 @@ def _set_threads(flat) -> None:
 
 
 def run(cmd) -> int:
+    cmd.release_lock = None
+    try:
+        return _run(cmd)
+    finally:
+        if cmd.release_lock is not None:
+            cmd.release_lock()
+
+
+def _run(cmd) -> int:
     from .fedml_adapter.errors import USER_ERRORS
+
+    import signal
 
     env_rank, _ = mpi_env_rank_size()
     try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:   # not the main thread (an embedding program): its own handling stays
+        pass
+    try:
         sections, flat = validate(cmd.yaml_config_file)
         preflight(sections, flat)
+        from .fedml_adapter.config import check_grpc_endpoint, read_fedmitr_config
+        check_grpc_endpoint(flat, cmd.rank)
+        if (cmd.rank if env_rank is None else env_rank) == 0:   # the server holds output_dir for the whole run
+            from .fedml_adapter.state import lock_output_dir, release_output_dir
+            locked_dir = read_fedmitr_config(SimpleNamespace(yaml_config_file=cmd.yaml_config_file)).output_dir
+            lock_output_dir(locked_dir)
+            cmd.release_lock = lambda: release_output_dir(locked_dir)   # noqa: E731
+    except (KeyboardInterrupt, Terminated) as exc:
+        return report_interrupt(exc, None, 0)
     except USER_ERRORS as exc:
         # under mpirun every rank finds the same error: one of them says it
         return report_user_error(exc, quiet=env_rank not in (None, 0))
@@ -208,6 +253,11 @@ def run(cmd) -> int:
         _abort_mpi(mpi, code)
         _exit_now(distributed, code)
         return code
+    except (KeyboardInterrupt, Terminated) as exc:
+        code = report_interrupt(exc, out_dir, rank)
+        _abort_mpi(mpi, code)
+        _exit_now(distributed, code)
+        return code
     except Exception as exc:
         logging.getLogger("fedml_fedmitr").exception("fedml_fedmitr: run failed")
         import traceback
@@ -225,12 +275,39 @@ def report_user_error(exc: BaseException, out_dir: Optional[str] = None, rank: i
 
     if not quiet:
         _raw_write(sys.__stderr__, f"fedml_fedmitr: error: {one_line(exc)}\n")
-    plog = logging.getLogger("fedml_fedmitr")
-    if plog.handlers or logging.root.handlers:  # into FedML's log too (never Python's last-resort stderr)
-        plog.error("fedml_fedmitr: error: %s", one_line(exc))
+    log_to_files(logging.ERROR, f"fedml_fedmitr: error: {one_line(exc)}")
     if out_dir is not None:
         write_error(out_dir, rank, exc, EXIT_CONFIG)
     return EXIT_CONFIG
+
+
+def log_to_files(level: int, message: str) -> None:
+    """A line for FedML's log files only: its console handlers would print again what stderr has."""
+    plog = logging.getLogger("fedml_fedmitr")
+    record = plog.makeRecord(plog.name, level, __file__, 0, message, None, None)
+    for logger in (plog, logging.root):
+        for handler in logger.handlers:
+            if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+                handler.handle(record)
+
+
+class Terminated(Exception):
+    """SIGTERM reached the process."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def report_interrupt(exc: BaseException, out_dir: Optional[str], rank: int) -> int:
+    """Ctrl-C (exit 130) or SIGTERM (exit 143): one line saying what is kept, no traceback."""
+    code = 143 if isinstance(exc, Terminated) else 130
+    what = "terminated (SIGTERM)" if code == 143 else "interrupted (Ctrl-C)"
+    kept = (f"; finished work is kept under {os.path.join(out_dir, 'state')} (rerun with fedmitr_args.resume: "
+            "true to continue)") if out_dir and int(rank or 0) == 0 else ""
+    _raw_write(sys.__stderr__, f"fedml_fedmitr: {what}{kept}\n")
+    log_to_files(logging.WARNING, f"fedml_fedmitr: {what}")
+    return code
 
 
 def error_path(out_dir: str, rank: int) -> str:
@@ -247,13 +324,13 @@ def write_error(out_dir: Optional[str], rank: int, exc: BaseException, code: int
         return
     record = {"error": one_line(exc), "type": type(exc).__name__, "exit_status": code, "rank": int(rank or 0),
               "user_error": code == EXIT_CONFIG, "time": time.time()}
-    record.update(getattr(exc, "details", None) or {})
+    details = getattr(exc, "details", None)   # a UserError's dict; gRPC errors have a details() method
+    if isinstance(details, dict):
+        record.update(details)
     path = error_path(out_dir, rank)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as fh:
-            json.dump(record, fh, indent=2, default=str)
-        os.replace(path + ".tmp", path)
+        from .core.checkpoint import write_text
+        write_text(path, json.dumps(record, indent=2, default=str))
     except OSError:
         pass
 

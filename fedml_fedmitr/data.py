@@ -121,7 +121,13 @@ def load_npz_arrays(path: str):
         if missing:
             raise DataError(f"{path}: missing array(s) {missing}; an npz dataset needs x_train, y_train, "
                             f"x_test, y_test (has {sorted(blob.files)})")
-        arrays = {k: blob[k] for k in ("x_train", "y_train", "x_test", "y_test")}
+        arrays = {}
+        for k in ("x_train", "y_train", "x_test", "y_test"):
+            try:
+                arrays[k] = blob[k]
+            except Exception as exc:   # a corrupt member: zlib / zip / format errors
+                raise DataError(f"data_args.npz_path = {path!r}: array {k} cannot be read "
+                                f"({type(exc).__name__}: {exc})") from exc
     x_tr = _to_nchw_unit(arrays["x_train"], f"{path}: x_train")
     x_te = _to_nchw_unit(arrays["x_test"], f"{path}: x_test")
     y_tr = arrays["y_train"].astype(np.int64).reshape(-1)
@@ -159,9 +165,32 @@ def npz_labels(path: str):
             raise DataError(f"{path}: missing array(s) {missing}; an npz dataset needs x_train, y_train, "
                             f"x_test, y_test (has {sorted(blob.files)})")
         try:
-            return blob["y_train"].astype(np.int64).reshape(-1), blob["y_test"].astype(np.int64).reshape(-1)
+            labels = blob["y_train"].astype(np.int64).reshape(-1), blob["y_test"].astype(np.int64).reshape(-1)
         except Exception as exc:
             raise DataError(f"{path}: y_train / y_test cannot be read as integer labels: {exc}") from exc
+        bad = _corrupt_members(path, ("x_train", "x_test"))
+        if bad:
+            raise DataError(f"data_args.npz_path = {path!r}: array {bad} is corrupt (its checksum does not match)")
+        return labels
+
+
+def _corrupt_members(path: str, keys) -> Optional[str]:
+    """The first of ``keys`` whose zip member fails its CRC check (read in chunks, never all in memory)."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as z:
+            for k in keys:
+                try:
+                    with z.open(k + ".npy") as fh:
+                        while fh.read(1 << 22):
+                            pass
+                except KeyError:
+                    continue
+                except Exception:
+                    return k
+    except zipfile.BadZipFile:
+        return None   # np.load opened it, so it is no zip: nothing to check here
+    return None
 
 
 def _cifar10_folder(root: str) -> str:

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 from collections import defaultdict
@@ -23,6 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torchvision.utils import make_grid, save_image
+
+from .core.checkpoint import write_bytes, write_text
 
 from .core.methods.base import Callbacks
 
@@ -82,13 +85,20 @@ def save_synthetic_pictures(images: torch.Tensor, labels: torch.Tensor, masks: O
 
     written = []
     path = out_dir / "synthetic_grid.png"
-    save_image(tiles(pixels), path)
+    _save_png(tiles(pixels), path)
     written.append(path)
     if masks is not None:
         path = out_dir / "synthetic_masks.png"
-        save_image(tiles(overlay_masks(pixels, masks[order], grid, patch)), path)
+        _save_png(tiles(overlay_masks(pixels, masks[order], grid, patch)), path)
         written.append(path)
     return written
+
+
+def _save_png(grid: torch.Tensor, path: Path) -> None:
+    """torchvision's save_image, written atomically and never through a symlink."""
+    buf = io.BytesIO()
+    save_image(grid, buf, format="png")
+    write_bytes(path, buf.getvalue())
 
 
 def _pad_classes(pixels: torch.Tensor, labels: torch.Tensor, nrow: int) -> torch.Tensor:
@@ -125,7 +135,9 @@ def plot_label_distribution(label_counts: Sequence[Sequence[int]], path: Path,
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=100, format="png")
+    write_bytes(path, buf.getvalue())
     plt.close(fig)
     return path
 
@@ -198,8 +210,7 @@ class ReportCallbacks(Callbacks):
 
     def close(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.output_dir / "metrics_history.json", "w") as f:
-            json.dump({k: v for k, v in self.history.items()}, f)
+        write_text(self.output_dir / "metrics_history.json", json.dumps({k: v for k, v in self.history.items()}))
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()

@@ -154,19 +154,41 @@ def test_mpi_stalled_client_server_proceeds(tmp_path, tmp_home, procs):
 
 
 @mpi
-def test_mpi_nan_upload_ends_the_job_with_one_line(tmp_path, tmp_home, procs):
-    """A NaN in an upload is found in the server's aggregation (a FedML process): exit 2, one line
-    naming the client and the parameter, error.json; mpirun ends the whole job."""
+def test_mpi_nan_upload_drops_that_client(tmp_path, tmp_home, procs):
+    """A NaN in one upload drops that client, not the federation: the server proceeds with the other
+    (min_clients 1), names the dropped client in its log and in summary.json, and saves the good upload."""
     out = tmp_path / "out"
     cfg = write_yaml(tmp_path / "mpi.yaml", tiny_config(
         out, common_args={"torch_num_threads": 1}, comm_args={"backend": "MPI"}, train_args={"epochs": 1}))
     p, rc = _mpirun(procs, tmp_path, tmp_home, cfg, FEDMITR_TEST_NAN_RANK=2)
     log = p.output()
+    assert rc == 0, log[-6000:]
+    assert "dropped the upload of client 1" in log and "NaN or Inf" in log
+    summary = read_summary(out)
+    assert summary["client_ids"] == [0]
+    assert "NaN or Inf" in summary["clients_refused"]["1"] and "upload refused" in summary["clients_dropped"]["1"]
+    import torch
+    saved = torch.load(str(out / "state" / "uploads.pt"), weights_only=True)
+    assert [u["client_id"] for u in saved["uploads"]] == [0]
+    assert "Traceback" not in log
+
+
+@mpi
+def test_mpi_nan_upload_below_min_clients_ends_with_one_line(tmp_path, tmp_home, procs):
+    """With min_clients 2, the one good upload left is not enough: exit 2, one line naming the refused
+    client and why, error.json; the good upload is saved first (server_only can use it)."""
+    out = tmp_path / "out"
+    cfg = write_yaml(tmp_path / "mpi.yaml", tiny_config(
+        out, common_args={"torch_num_threads": 1}, comm_args={"backend": "MPI"}, train_args={"epochs": 1},
+        fedmitr_args={"min_clients": 2}))
+    p, rc = _mpirun(procs, tmp_path, tmp_home, cfg, FEDMITR_TEST_NAN_RANK=2)
+    log = p.output()
     assert rc == 2, log[-6000:]
     server_lines = [line for line in error_lines(log) if "client process" not in line]
     assert len(server_lines) == 1, log[-4000:]
-    assert "the model of client 1: parameter" in server_lines[0] and "NaN or Inf" in server_lines[0]
+    assert "client 1: the model of client 1: parameter" in server_lines[0] and "NaN or Inf" in server_lines[0]
+    assert "min_clients = 2" in server_lines[0]
     record = json.loads((out / "error.json").read_text())
-    assert record["user_error"] and "client 1" in record["error"]
-    assert not (out / "summary.json").exists() and not (out / "state" / "uploads.pt").exists()
+    assert record["user_error"] and "1" in record["clients_refused"]
+    assert not (out / "summary.json").exists() and (out / "state" / "uploads.pt").exists()
     assert "Traceback" not in log

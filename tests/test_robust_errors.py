@@ -67,7 +67,7 @@ def _cases(tmp_path):
         # 2 classes, one of them with a single sample shared by 2 of the 4 clients: one gets nothing
         "empty_client_shard": ({"data_args": {**npz, "partition_method": "pathological", "classes_per_client": 1,
                                               "npz_path": str(_npz(tmp_path / "e.npz", labels=[0] + [1] * 39))},
-                                "model_args": small, "train_args": {"client_num_in_total": 4}},
+                                "model_args": small, "train_args": {"client_num_in_total": 4, "client_num_per_round": 4}},
                                ["cannot partition", "4 clients", "got no samples"]),
         "more_workers_than_clients": ({"common_args": {"training_type": "cross_silo", "scenario": "horizontal"},
                                        "comm_args": {"backend": "GRPC", "grpc_ipconfig_path": "x.csv"},

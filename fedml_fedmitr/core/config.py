@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -136,6 +137,8 @@ class FedMITRConfig:
         cfg = cls()
         for key, value in values.items():
             setattr(cfg, key, _coerce(key, value, getattr(cfg, key), where))
+        if isinstance(cfg.output_dir, str):
+            cfg.output_dir = os.path.expanduser(cfg.output_dir)   # "~/runs" is the home folder's runs
         cfg.validate(where)
         return cfg
 

@@ -278,8 +278,9 @@ def fedavg_state_dict(uploads) -> Dict[str, torch.Tensor]:
 
 def save_global_model(path, model: nn.Module, meta: Mapping) -> None:
     """Save the global model as a plain state_dict plus what rebuilds it (see :func:`load_global_model`)."""
-    torch.save({"state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                "meta": dict(meta)}, str(path))
+    from .checkpoint import save_atomic
+    save_atomic({"state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "meta": dict(meta)},
+                path, private=False)   # an output: as readable as the user's umask allows
 
 
 def load_global_model(path, map_location="cpu") -> VisionTransformer:

@@ -30,11 +30,12 @@ from fedml.core import ServerAggregator
 from ..core.evaluate import evaluate_model
 from ..core.methods import get_method
 from ..core.methods.base import Callbacks, ClientUpload, ServerContext
-from ..core.models import check_finite, load_state_checked, save_global_model
+from ..core.checkpoint import write_text
+from ..core.models import ModelError, check_finite, load_state_checked, save_global_model
 from ..report import ReportCallbacks, plot_label_distribution
 from . import state as saved_state
 from .checks import check_upload
-from .errors import UserError
+from .errors import ClientFailure, UserError, one_line
 from .model import input_shape_of, model_meta
 from .trainer import PAYLOAD_KEY, _cpu_state
 
@@ -129,8 +130,15 @@ class FedMITRServerAggregator(ServerAggregator):
                     "instead of a one-shot upload; clients must run FedMITRClientTrainer "
                     "(import fedml_fedmitr in every party's main.py)")
             for payload in params[PAYLOAD_KEY]:
-                upload = ClientUpload.from_payload(payload)
-                check_upload(upload, self.template_state)
+                try:
+                    upload = ClientUpload.from_payload(payload)
+                    check_upload(upload, self.template_state)
+                except (ModelError, UserError, KeyError, TypeError, ValueError) as exc:
+                    # a bad upload drops its client, not the federation (min_clients decides below)
+                    cid = payload.get("client_id", "?") if isinstance(payload, dict) else "?"
+                    self.refused_clients[str(cid)] = one_line(exc)
+                    log.warning("server: dropped the upload of client %s: %s", cid, one_line(exc))
+                    continue
                 uploads.append(upload)
                 payloads.append(payload)
                 train_s.append(float(payload.get("train_s", 0.0)))
@@ -144,6 +152,7 @@ class FedMITRServerAggregator(ServerAggregator):
 
     # ---- saved state (see .state): uploads as soon as they are in, then the method's fingerprint ----
     uploads_file: Optional[str] = None        # set when the uploads were read from a saved file
+    refused_clients: Dict[str, str] = {}       # client id -> why its upload was refused (set per aggregate)
     missing_clients: Sequence[int] = ()        # set by the server manager after a client timeout
 
     def save_received(self) -> None:
@@ -162,7 +171,8 @@ class FedMITRServerAggregator(ServerAggregator):
         saved_state.prepare_method_state(ctx.state_dir, self.method_name, fp, self.fedmitr_config.resume)
 
     def summary_extra(self) -> Dict[str, Any]:
-        return {"clients_expected": int(getattr(self.args, "client_num_in_total", 0) or 0) or None,
+        return {"clients_refused": dict(getattr(self, "refused_clients", {}) or {}),
+                "clients_expected": int(getattr(self.args, "client_num_in_total", 0) or 0) or None,
                 "clients_missing": [int(c) for c in self.missing_clients], "uploads_file": self.uploads_file}
 
     def context(self) -> ServerContext:
@@ -203,7 +213,16 @@ class FedMITRServerAggregator(ServerAggregator):
                              client_augment=bool(self.train_config.augment), client_flip=bool(self.train_config.flip))
 
     def aggregate(self, raw_client_model_or_grad_list):
+        self.refused_clients = {}
         uploads = self.uploads_from(raw_client_model_or_grad_list)
+        if self.refused_clients and len(uploads) < max(1, int(self.fedmitr_config.min_clients)):
+            if uploads:
+                self.save_received()   # the good uploads are kept (server_only can use them)
+            raise ClientFailure(f"{len(self.refused_clients)} client upload(s) refused ("
+                                + "; ".join(f"client {c}: {r}" for c, r in self.refused_clients.items())
+                                + f"), {len(uploads)} left: fewer than fedmitr_args.min_clients = "
+                                f"{self.fedmitr_config.min_clients}",
+                                details={"clients_refused": dict(self.refused_clients)})
         expected = int(getattr(self.args, "client_num_in_total", len(uploads)))
         if len(uploads) != expected:
             log.warning("server: %d client uploads, client_num_in_total is %d", len(uploads), expected)
@@ -295,6 +314,7 @@ class FedMITRServerAggregator(ServerAggregator):
         # clients the poisoned-upload screen (fedmitr_args.client_screening) left out, with the reason
         summary["screening"] = screening
         summary["clients_dropped"] = dict(screening["dropped"]) if screening else {}
+        summary["clients_dropped"].update({c: f"upload refused: {r}" for c, r in (self.refused_clients or {}).items()})
         summary["pictures"] = self.write_pictures(out, uploads)
         callbacks = getattr(self, "callbacks", None)
         if callbacks is not None:
@@ -303,10 +323,7 @@ class FedMITRServerAggregator(ServerAggregator):
             callbacks.close()
         summary.update(self.summary_extra())  # expected / missing clients, saved uploads
         path = out / SUMMARY_NAME
-        tmp = out / (SUMMARY_NAME + ".tmp")
-        with open(tmp, "w") as fh:
-            json.dump(summary, fh, indent=2, default=_json_default)
-        os.replace(tmp, path)
+        write_text(path, json.dumps(summary, indent=2, default=_json_default))
         self.summary = summary
         log.info("server: wrote %s and %s", path, ckpt)
         line = (f"{self.method_name}: test_acc={_fmt(summary['test_acc'])} "

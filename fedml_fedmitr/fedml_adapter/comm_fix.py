@@ -25,6 +25,7 @@ import logging
 import queue
 import time
 
+from . import grpc_security
 from .safe_pickle import RefusedMessage, safe_loads
 
 log = logging.getLogger("fedml_fedmitr")
@@ -46,11 +47,12 @@ def _grpc_message_handling_subroutine(self):
             continue
         peer, msg_pkl = item if isinstance(item, tuple) else ("this process", item)
         try:
-            msg = safe_loads(msg_pkl)
+            msg = safe_loads(grpc_security.active().verify(msg_pkl))
             if not hasattr(msg, "get_type") or not hasattr(msg, "get_params"):
                 raise RefusedMessage(f"it holds a {type(msg).__name__}, not a FedML Message")
             msg_type = msg.get_type()
             sender_id = int(msg.get_sender_id())
+            _check_sender_host(self, sender_id, peer)
             mapping = None
             if sender_id not in self.grpc_mappings:
                 params = msg.get_params()
@@ -78,6 +80,19 @@ def _grpc_message_handling_subroutine(self):
 
 
 _grpc_message_handling_subroutine.__fedmitr_fix__ = True
+
+
+def _check_sender_host(manager, sender_id: int, peer: str) -> None:
+    """A rank speaks from one host: a message claiming a rank first heard from another host is refused
+    (a second party started with the same rank, or an impostor). Two parties of the same rank on one
+    host cannot both listen on its port: the preflight finds that (config.check_grpc_endpoint)."""
+    if not peer.startswith(("ipv4:", "ipv6:")):
+        return   # this process's own loop
+    host = peer.split(" ")[0].rsplit(":", 1)[0]
+    hosts = manager.__dict__.setdefault("_fedmitr_sender_hosts", {})
+    first = hosts.setdefault(sender_id, host)
+    if first != host:
+        raise RefusedMessage(f"rank {sender_id} is already connected from {first}")
 
 
 def _grpc_send_message(self, request, context):
@@ -164,8 +179,9 @@ def apply_mpi_fix() -> None:
         log.debug("fedml_fedmitr: MPI receive loop now blocks instead of polling")
 
 
-def apply_all(backend: str) -> None:
+def apply_all(backend: str, security: "grpc_security.GrpcSecurity" = None) -> None:
     if backend == "GRPC":
         apply_grpc_fix()
+        grpc_security.install(security or grpc_security.GrpcSecurity())
     elif backend == "MPI":
         apply_mpi_fix()

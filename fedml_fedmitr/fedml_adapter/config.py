@@ -8,9 +8,10 @@ Everything here is FedML-free and fast, so the CLI validates a config before imp
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import yaml
 
@@ -29,7 +30,7 @@ def load_yaml(path) -> Dict[str, Any]:
         raise ConfigError(f"configuration file {str(path)!r} does not exist")
     try:
         with open(path, "r") as stream:
-            data = yaml.safe_load(stream)
+            data = yaml.load(stream, Loader=_unique_key_loader(str(path)))
     except yaml.YAMLError as exc:
         raise ConfigError(f"configuration file {str(path)!r} is not valid YAML: {exc}") from exc
     if data is None:
@@ -45,6 +46,131 @@ def load_yaml(path) -> Dict[str, Any]:
     return data
 
 
+def _unique_key_loader(path: str):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one
+    silently): a repeated ``train_args:`` section or a repeated ``epochs:`` would reset earlier values."""
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    what = "section" if node.start_mark.column == 0 else "key"
+                    raise ConfigError(f"configuration file {path!r}: {what} {key!r} appears twice (lines "
+                                      f"{seen[key] + 1} and {key_node.start_mark.line + 1}); YAML would keep only "
+                                      "the last one: merge them into one")
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep=deep)
+    return UniqueKeyLoader
+
+
+# fedmitr_args keys read by the FedML adapter, not by the core's FedMITRConfig: custom_keys (below) and
+# the GRPC security settings (grpc_security.py); they never reach summary.json
+ADAPTER_KEYS = ("custom_keys", "auth_token", "tls_cert_file", "tls_key_file", "tls_ca_file")
+
+
+def adapter_settings(args) -> Dict[str, Any]:
+    """The adapter's own ``fedmitr_args`` keys (ADAPTER_KEYS) of ``args``' YAML file or dict."""
+    path = getattr(args, "yaml_config_file", "") or ""
+    values = (load_yaml(path).get(SECTION) if path else getattr(args, SECTION, None)) or {}
+    return {k: v for k, v in dict(values).items() if k in ADAPTER_KEYS}
+
+# FedML features that act on uploads or training rounds; the one-shot methods here do not apply them
+UNAPPLIED = {
+    "enable_dp": "FedML's differential privacy (dp_args)",
+    "enable_defense": "FedML's defences against poisoned updates (defense_args; see fedmitr_args.client_screening)",
+    "enable_attack": "FedML's attack simulation (attack_args)",
+    "enable_fhe": "FedML's homomorphic encryption (fhe_args)",
+    "enable_contribution": "FedML's contribution assessment",
+}
+
+
+def check_unapplied(sections: Mapping[str, Any]) -> None:
+    """Refuse FedML features the one-shot methods do not apply, instead of running without them."""
+    for name, section in sections.items():
+        for key, what in UNAPPLIED.items():
+            if isinstance(section, dict) and section.get(key) not in (None, False, 0, "false", "False"):
+                raise ConfigError(f"{name}.{key} = {section[key]!r}: fedml_fedmitr does not apply {what} to its "
+                                  f"one-shot uploads, so the run would go without it; remove {key} or set it to false")
+
+
+def custom_keys(sections: Mapping[str, Any]) -> List[str]:
+    """``fedmitr_args.custom_keys``: keys of the user's own in FedML's sections (not checked for typos)."""
+    keys = (sections.get(SECTION) or {}).get("custom_keys", [])
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ConfigError(f"{SECTION}.custom_keys = {keys!r} is invalid: expected a list of key names")
+    return keys
+
+
+_KEY_PATTERN = None
+
+
+def _scan_keys(root: str) -> set:
+    """Names read as ``args.NAME`` / ``getattr(args, "NAME")`` in the .py files under ``root``, and the
+    keys of the YAML files there."""
+    import re
+    global _KEY_PATTERN
+    if _KEY_PATTERN is None:
+        _KEY_PATTERN = re.compile(r"args\.([A-Za-z_]\w*)|(?:hasattr|getattr|setattr)\(\s*(?:self\.)?args\s*,\s*"
+                                  r"[\"']([A-Za-z_]\w*)")
+    names: set = set()
+    yaml_key = re.compile(r"^\s*([A-Za-z_]\w*)\s*:", re.M)
+    for folder, _, files in os.walk(root):
+        for f in files:
+            if f.endswith((".py", ".yaml", ".yml")):
+                try:
+                    with open(os.path.join(folder, f), errors="ignore") as fh:
+                        text = fh.read()
+                except OSError:
+                    continue
+                if f.endswith(".py"):
+                    names.update(a or b for a, b in _KEY_PATTERN.findall(text))
+                else:
+                    names.update(yaml_key.findall(text))
+    return names
+
+
+_known_cache: Optional[set] = None
+
+
+def known_run_keys() -> set:
+    """Every key FedML (the installed version, scanned without importing it) or this plugin reads from
+    FedML's ``args``; None-safe when FedML is not installed (then only the plugin's)."""
+    global _known_cache
+    if _known_cache is None:
+        import importlib.util
+        names = _scan_keys(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        spec = importlib.util.find_spec("fedml")
+        if spec is not None and spec.submodule_search_locations:
+            names |= _scan_keys(list(spec.submodule_search_locations)[0])
+        _known_cache = names
+    return _known_cache
+
+
+def check_run_keys(sections: Mapping[str, Any], path: str = "") -> List[str]:
+    """Keys of FedML's sections that neither FedML nor the plugin reads: a near miss of a known key is
+    refused with "did you mean"; any other is returned (the caller warns once). Keys listed in
+    ``fedmitr_args.custom_keys`` are the user's own and pass."""
+    import difflib
+
+    own = set(custom_keys(sections))
+    known = known_run_keys()
+    unknown = []
+    for name, section in sections.items():
+        if name == SECTION or not isinstance(section, dict):
+            continue
+        for key in section:
+            if not isinstance(key, str) or key in known or key in own:
+                continue
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+            if close:
+                raise ConfigError(f"{name}.{key}{' in ' + path if path else ''} is not a setting FedML or "
+                                  f"fedml_fedmitr reads; did you mean {close[0]!r}? (a key of your own: list it "
+                                  f"in {SECTION}.custom_keys)")
+            unknown.append(f"{name}.{key}")
+    return unknown
+
+
 def flatten(sections: Mapping[str, Any]) -> Dict[str, Any]:
     """FedML's flattening of the sections into one namespace (later sections win)."""
     out: Dict[str, Any] = {}
@@ -55,7 +181,7 @@ def flatten(sections: Mapping[str, Any]) -> Dict[str, Any]:
 
 def fedmitr_section(sections: Mapping[str, Any], path: str = "") -> Dict[str, Any]:
     """The ``fedmitr_args`` mapping, after refusing keys that another section also sets."""
-    own = dict(sections.get(SECTION) or {})
+    own = {k: v for k, v in (sections.get(SECTION) or {}).items() if k not in ADAPTER_KEYS}
     for key in own:
         for name, section in sections.items():
             if name != SECTION and isinstance(section, dict) and key in section:
@@ -81,8 +207,10 @@ def check_known_keys(values: Mapping[str, Any], path: str = "") -> None:
         raise ConfigError(f"{SECTION}: unknown key {key!r}{' in ' + path if path else ''}; {hint}")
 
 
-def check_output_dir(path: Any, key: str = f"{SECTION}.output_dir") -> None:
-    """``output_dir`` must be a writable directory or creatable in one (nothing is created here)."""
+def check_output_dir(path: Any, key: str = f"{SECTION}.output_dir", create: bool = False) -> None:
+    """``output_dir`` must be a writable directory or creatable in one. With ``create`` it is created
+    and a probe file written and removed there (``os.access`` says yes to root even where the kernel
+    then refuses, e.g. under /proc)."""
     if not isinstance(path, str) or not path.strip():
         raise ConfigError(f"{key} = {path!r} is invalid: expected a folder path")
     target = os.path.abspath(os.path.expanduser(path))
@@ -96,6 +224,15 @@ def check_output_dir(path: Any, key: str = f"{SECTION}.output_dir") -> None:
         raise ConfigError(f"{key} = {path!r} is not writable: {probe} is a file, not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{key} = {path!r} is not writable: no write permission on {probe}")
+    if create:
+        test = os.path.join(target, f".fedmitr_write_test_{os.getpid()}")
+        try:
+            os.makedirs(target, exist_ok=True)
+            with open(test, "w") as fh:
+                fh.write("ok")
+            os.remove(test)
+        except OSError as exc:
+            raise ConfigError(f"{key} = {path!r} cannot be created or written: {exc.strerror or exc}") from exc
 
 
 def read_fedmitr_config(args) -> FedMITRConfig:
@@ -113,6 +250,7 @@ def read_fedmitr_config(args) -> FedMITRConfig:
         values = getattr(args, SECTION, None) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"args.{SECTION} must be a mapping, got {type(values).__name__}")
+        values = {k: v for k, v in values.items() if k not in ADAPTER_KEYS}
     return FedMITRConfig.from_dict(values, where=SECTION)
 
 
@@ -182,8 +320,15 @@ def check_run_args(args) -> None:
         raise ConfigError(f"train_args.comm_round = {comm_round!r} is invalid: the one-shot methods of this "
                           "plugin run exactly one communication round (comm_round: 1)")
     seed = getattr(args, "random_seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"common_args.random_seed = {seed!r} is invalid: expected an integer")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"common_args.random_seed = {seed!r} is invalid: expected an integer >= 0")
+    if per_round is not None and per_round != args.client_num_in_total:
+        raise ConfigError(f"train_args.client_num_per_round = {per_round!r} but client_num_in_total = "
+                          f"{args.client_num_in_total}: a one-shot round trains and uploads every client once "
+                          f"(expected client_num_per_round = {args.client_num_in_total}, or leave it out)")
+    threads = getattr(args, "torch_num_threads", None)
+    if threads is not None:
+        _int(args, "torch_num_threads", None, 1, "common_args")
 
 
 def check_data_args(args) -> None:
@@ -226,10 +371,73 @@ def check_model_args(args) -> None:
     if not isinstance(name, str) or not timm.is_model(name):
         raise ConfigError(f"model_args.model = {name!r} is invalid: expected a timm ViT name such as "
                           f"fedmitr_vit_micro, fedmitr_vit_tiny, vit_tiny_patch16_224")
-    _int(args, "img_size", 16, 1, "model_args")
+    img = _int(args, "img_size", 16, 1, "model_args")
     if getattr(args, "patch_size", None) is not None:
-        _int(args, "patch_size", None, 1, "model_args")
+        patch = _int(args, "patch_size", None, 1, "model_args")
+        if img % patch:
+            raise ConfigError(f"model_args.patch_size = {patch} does not divide model_args.img_size = {img}: the "
+                              f"ViT would see a {img // patch}x{img // patch} grid and never the last {img % patch} "
+                              "rows and columns of pixels (expected a patch size that divides img_size)")
+    if getattr(args, "in_chans", None) is not None:
+        _int(args, "in_chans", None, 1, "model_args")
     _bool(args, "pretrained", False, "model_args")
     path = getattr(args, "pretrained_path", None)
     if path and not os.path.isfile(os.path.expanduser(str(path))):
         raise ConfigError(f"model_args.pretrained_path = {path!r}: no such file")
+
+
+def read_grpc_ipconfig(path: Any, key: str = "comm_args.grpc_ipconfig_path") -> Dict[int, Dict[str, Any]]:
+    """FedML's GRPC address table (CSV: eid, rank, grpc_server_ip, grpc_server_port[, ingress_ip]) by eid."""
+    import csv
+
+    if not isinstance(path, str) or not os.path.isfile(os.path.expanduser(path)):
+        raise ConfigError(f"{key} = {path!r}: no such file (a CSV with eid, rank, grpc_server_ip, grpc_server_port)")
+    with open(os.path.expanduser(path), newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    table: Dict[int, Dict[str, Any]] = {}
+    for i, row in enumerate(rows, start=2):
+        try:
+            eid, port = int(row["eid"]), int(row["grpc_server_port"])
+            ip = str(row["grpc_server_ip"]).strip()
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{key} = {path!r}, line {i}: expected integer eid and grpc_server_port and a "
+                              "grpc_server_ip (columns eid, rank, grpc_server_ip, grpc_server_port)") from None
+        if eid in table:
+            raise ConfigError(f"{key} = {path!r}, line {i}: eid {eid} appears twice")
+        table[eid] = {"ip": ip, "port": port}
+    return table
+
+
+def check_grpc_endpoint(args, rank: int) -> None:
+    """Cross-silo GRPC: this party's rank must be in the address table (FedML would otherwise listen on
+    every interface, 0.0.0.0), and its port must not already be served (grpc shares a port between
+    servers with SO_REUSEPORT, so a second server or a second client of the same rank would go
+    unnoticed and the federation would hang)."""
+    import socket
+
+    if getattr(args, "training_type", None) != "cross_silo" or getattr(args, "backend", None) != "GRPC":
+        return
+    key = "comm_args.grpc_ipconfig_path"
+    path = getattr(args, "grpc_ipconfig_path", None)
+    table = read_grpc_ipconfig(path, key)
+    workers = getattr(args, "worker_num", None)
+    expected = range(0, int(workers) + 1) if isinstance(workers, int) else [rank]
+    missing = [r for r in expected if r not in table]
+    if missing:
+        raise ConfigError(f"{key} = {path!r} has no row for rank(s) {missing}: every party needs its address "
+                          "there (FedML would listen on all interfaces, 0.0.0.0, and could not reach it)")
+    me = table[rank]
+    if me["ip"] in ("0.0.0.0", "::", ""):
+        logging.getLogger("fedml_fedmitr").warning(
+            "fedml_fedmitr: warning: %s gives rank %d the address %r: it listens on every interface", path, rank,
+            me["ip"])
+    family = socket.AF_INET6 if ":" in me["ip"] else socket.AF_INET
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        probe.bind((me["ip"], me["port"]))
+    except OSError as exc:
+        raise ConfigError(f"rank {rank} cannot listen on {me['ip']}:{me['port']} ({key} = {path!r}): "
+                          f"{exc.strerror or exc}; another server or a client with the same rank already runs "
+                          "there, or the address is not this machine's") from None
+    finally:
+        probe.close()

@@ -9,6 +9,8 @@ status 2. Anything else is a bug or an environment failure: it exits 1 with its 
   :class:`~fedml_fedmitr.data.DataError` (a ``ConfigError``): a dataset file or array.
 * :class:`~fedml_fedmitr.core.models.ModelError` (a ``ValueError``): a model or weights that do not
   fit (another architecture, NaN/Inf in an upload).
+* :class:`~fedml_fedmitr.core.checkpoint.CheckpointError` (a ``ValueError``): a saved checkpoint that
+  cannot be read (truncated, corrupt, not weights-only), named.
 * :class:`UserError` and its subclasses, raised by the FedML adapter:
   :class:`ClientFailure` (clients missing after ``client_timeout_s``, an empty client),
   :class:`ServerStopped` (a client told by the server that the run failed),
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from ..core.checkpoint import CheckpointError
 from ..core.config import ConfigError
 from ..core.models import ModelError
 
@@ -46,7 +49,7 @@ class StateError(UserError):
     """Saved server state (uploads, checkpoints) that cannot be resumed with these settings."""
 
 
-USER_ERRORS = (ConfigError, ModelError, UserError)
+USER_ERRORS = (ConfigError, ModelError, UserError, CheckpointError)
 
 
 def is_user_error(exc: BaseException) -> bool:

@@ -119,6 +119,20 @@ class FedMITRRunner:
 
     # ------------------------------------------------------------------
     def run(self):
+        from .state import lock_output_dir, release_output_dir, set_aside_previous_state
+
+        locked = False
+        if int(getattr(self.args, "rank", 0) or 0) == 0:   # the server (or the single sp process)
+            locked = lock_output_dir(self.fedmitr_config.output_dir)
+            if not self.fedmitr_config.resume:
+                set_aside_previous_state(self.fedmitr_config.output_dir)
+        try:
+            return self._run_mode()
+        finally:
+            if locked:
+                release_output_dir(self.fedmitr_config.output_dir)
+
+    def _run_mode(self):
         log.info("fedml_fedmitr: %s, mode %s, %s clients, device %s", self.args.federated_optimizer, self.mode,
                  self.args.client_num_in_total, self.device)
         if self.mode == "sp":
@@ -196,7 +210,12 @@ class FedMITRRunner:
         if not self.fedmitr_config.resume:
             return None
         path = uploads_path(self.fedmitr_config.output_dir)
-        return str(path) if path.is_file() else None
+        if not path.is_file():
+            log.warning("server: resume: true but %s holds no saved uploads: the clients train from the start",
+                        path)
+            return None
+        log.info("server: resume: true: resuming from the saved uploads %s", path)
+        return str(path)
 
     def _run_distributed(self):
         from . import comm_fix
@@ -219,7 +238,9 @@ class FedMITRRunner:
             aggregate_saved_uploads(aggregator, saved, self.dataset[3], self.device, args)
             self.result = aggregator.summary
             return self.result
-        comm_fix.apply_all(args.backend)
+        from .config import adapter_settings
+        from .grpc_security import security_from
+        comm_fix.apply_all(args.backend, security_from(adapter_settings(args)))
         k = int(args.client_num_in_total)
         if self.mode == "mpi_simulation":
             world = int(args.comm.Get_size())

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from ..core.checkpoint import save_atomic
+from ..core.checkpoint import save_atomic, write_text
 from .errors import StateError
 
 log = logging.getLogger("fedml_fedmitr")
@@ -147,6 +147,67 @@ def prepare_method_state(directory, method_name: str, fingerprint: Mapping[str, 
         for p in checkpoints:
             p.unlink()
             log.info("server: fresh run (resume: false): removed the old checkpoint %s", p)
-    tmp = fp_path.with_name(fp_path.name + ".tmp")
-    tmp.write_text(json.dumps(fp, indent=1))
-    os.replace(tmp, fp_path)
+    write_text(fp_path, json.dumps(fp, indent=1), private=True)
+
+
+PREVIOUS_DIR = "state.previous"
+LOCK_NAME = ".fedmitr.lock"
+_held_locks: Dict[str, Any] = {}
+
+
+def set_aside_previous_state(output_dir) -> Optional[Path]:
+    """A fresh run (``resume: false``) in an output_dir that holds a previous run's saved state moves
+    that state to ``state.previous/`` (replacing an older one) instead of overwriting it, with one
+    warning line; returns where it went."""
+    import shutil
+
+    src = state_dir(output_dir)
+    if not src.is_dir() or not any(src.iterdir()):
+        return None
+    dst = Path(output_dir) / PREVIOUS_DIR
+    if dst.is_symlink() or dst.is_file():
+        dst.unlink()
+    elif dst.is_dir():
+        shutil.rmtree(dst)
+    os.replace(src, dst)
+    log.warning("server: fresh run (resume: false): the previous run's saved uploads and checkpoints moved "
+                "to %s (set resume: true to continue a run instead)", dst)
+    return dst
+
+
+def _lock_key(output_dir) -> str:
+    return str(Path(os.path.expanduser(str(output_dir))).resolve())
+
+
+def lock_output_dir(output_dir) -> bool:
+    """An exclusive lock on ``output_dir`` until :func:`release_output_dir`. A second run on the same
+    folder gets a :class:`StateError` naming the PID that holds it. True when this call took the lock,
+    False when this process already held it."""
+    import fcntl
+
+    key = _lock_key(output_dir)
+    out = Path(key)
+    if key in _held_locks:
+        return False
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        raise StateError(f"fedmitr_args.output_dir {str(output_dir)!r} is in use by another run (PID {holder}); "
+                         "wait for it to finish, or give this run another output_dir")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held_locks[key] = fd
+    return True
+
+
+def release_output_dir(output_dir) -> None:
+    fd = _held_locks.pop(_lock_key(output_dir), None)
+    if fd is not None:
+        os.close(fd)   # closing the descriptor releases the flock

@@ -33,6 +33,7 @@ from ..core.client import train_client
 from ..core.config import ClientTrainConfig, FedMITRConfig
 from ..core.evaluate import evaluate_model
 from ..core.methods.base import Callbacks
+from ..core.checkpoint import write_text
 from ..core.models import ModelError, load_state_checked, save_global_model
 from .checks import check_architecture
 from .errors import ClientFailure
@@ -207,7 +208,6 @@ class FedMITRClientTrainer(ClientTrainer):
                 meta = dict(self.model_meta or {})
                 save_global_model(path, self.model, meta)
                 record["model_path"] = path
-            with open(os.path.join(out_dir, f"client_{client_id}.json"), "w") as fh:
-                json.dump(record, fh, indent=2)
+            write_text(os.path.join(out_dir, f"client_{client_id}.json"), json.dumps(record, indent=2))
             self.received_results[client_id] = record
         return self.received_results
