@@ -41,7 +41,7 @@ setup(
     extras_require={
         # an MPI implementation from PyPI; a cluster keeps its own MPI (mpi4py finds it)
         "mpi": ["mpich"],
-        "dev": ["pytest"],
+        "dev": ["pytest", "ruff"],
     },
     entry_points={"console_scripts": ["fedml-fedmitr=fedml_fedmitr.cli:main"]},
 )

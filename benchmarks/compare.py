@@ -51,13 +51,13 @@ import json
 import math
 import os
 import shlex
+import socket
 import subprocess
 import sys
-import time
-import socket
 import threading
-from queue import Empty, Queue
+import time
 from pathlib import Path
+from queue import Empty, Queue
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -378,7 +378,7 @@ def build_settings(args: argparse.Namespace) -> Dict[str, Any]:
     try:
         client = cfgmod.dataclasses.asdict(cfgmod.ClientTrainConfig(**client).validate("--client-set"))
     except (cfgmod.ConfigError, TypeError) as exc:
-        raise SystemExit(str(exc))
+        raise SystemExit(str(exc)) from None
 
     # ---- server ----
     overrides = parse_assignments(args.server_set, "--server-set")
@@ -392,7 +392,7 @@ def build_settings(args: argparse.Namespace) -> Dict[str, Any]:
     try:
         cfg = cfgmod.FedMITRConfig.from_dict(server, where="--server-set")
     except cfgmod.ConfigError as exc:
-        raise SystemExit(str(exc))
+        raise SystemExit(str(exc)) from None
     defaults = cfgmod.FedMITRConfig().to_dict()
     full = cfg.to_dict()
     server = {k: full[k] for k in full if k in server or full[k] != defaults[k]}
@@ -730,7 +730,7 @@ class Runner:
             job.result = res
 
     def kill_all(self) -> None:
-        for pid, p in list(self.running.items()):
+        for _pid, p in list(self.running.items()):
             if p.poll() is None:
                 p.kill()
 
@@ -826,7 +826,7 @@ def markdown(result: Dict[str, Any]) -> str:
              "|" + "|".join(["---"] + ["---:"] * (len(columns) - 1)) + "|"]
     for row in result["records"]:
         cells = []
-        for title, key, kind in columns:
+        for _title, key, kind in columns:
             if key == "method":
                 label = row["method"] + (" (reference)" if row["kind"] == "reference" else "")
                 if row.get("errors"):
@@ -973,6 +973,7 @@ def load_task(settings: Dict[str, Any], with_public: bool = False) -> Dict[str, 
     data, and the normalisation. Labels of the task are relabelled to 0..C'-1."""
     import numpy as np
     import torch
+
     from fedml_fedmitr.data import digits_arrays, load_npz_arrays, resize_images
 
     if settings["dataset"] == "digits":
@@ -1081,6 +1082,7 @@ def _client_cfg(settings):
 
 def job_pretrain(job: Dict[str, Any], device) -> Dict[str, Any]:
     import torch
+
     from fedml_fedmitr.core.client import train_local
     from fedml_fedmitr.core.evaluate import evaluate_model
 
@@ -1111,6 +1113,7 @@ def job_pretrain(job: Dict[str, Any], device) -> Dict[str, Any]:
 
 def job_clients(job: Dict[str, Any], device) -> Dict[str, Any]:
     import torch
+
     from fedml_fedmitr.core.client import train_client
     from fedml_fedmitr.core.config import FedMITRConfig
     from fedml_fedmitr.core.ensemble import Ensemble
@@ -1162,6 +1165,7 @@ def job_clients(job: Dict[str, Any], device) -> Dict[str, Any]:
 
 def job_central(job: Dict[str, Any], device) -> Dict[str, Any]:
     import torch
+
     from fedml_fedmitr.core.client import train_local
     from fedml_fedmitr.core.evaluate import evaluate_model
 
@@ -1184,6 +1188,7 @@ def job_central(job: Dict[str, Any], device) -> Dict[str, Any]:
 
 def job_method(job: Dict[str, Any], device) -> Dict[str, Any]:
     import torch
+
     from fedml_fedmitr.core import ensemble as ensemble_module
     from fedml_fedmitr.core.config import FedMITRConfig
     from fedml_fedmitr.core.methods import Callbacks, ClientUpload, ServerContext, get_method

@@ -58,6 +58,7 @@ def make_variants(settings: Dict[str, Any], seed: int, clients_pt: Path, out: Pa
                   attacks: List[str], device) -> Dict[str, Path]:
     """Write clean.pt (honest clients only) and <attack>.pt (P uploads replaced) next to the cache."""
     import torch
+
     from fedml_fedmitr.core.client import train_client
     from fedml_fedmitr.core.partition import partition
 

@@ -174,6 +174,7 @@ def _init_worker(threads: int) -> None:
 def pretrain_backbone(name: str) -> Dict[str, Any]:
     """A micro ViT trained on a public archive (all of its classes), cached."""
     import torch
+
     from fedml_fedmitr.core.client import train_local
     from fedml_fedmitr.core.evaluate import evaluate_model
     from fedml_fedmitr.data import load_data
@@ -207,6 +208,7 @@ def pretrain_backbone(name: str) -> Dict[str, Any]:
 def _clients(cell_name: str, split: str, seed: int, args, dataset, n, device):
     """Train (or load) the cell's client uploads for ``seed``."""
     import torch
+
     from fedml_fedmitr.core.client import train_client
     from fedml_fedmitr.core.methods import ClientUpload
     from fedml_fedmitr.fedml_adapter.config import client_train_config
@@ -254,6 +256,7 @@ def real_pool_method(base_name: str, images):
     image labelled by the ensemble's argmax, its foreground the top attention patches, as many as the
     sparse schedule keeps."""
     import torch
+
     from fedml_fedmitr.core.inversion import SparseModelInversion, SyntheticBatch, SyntheticPool
     from fedml_fedmitr.core.methods import get_method
 
@@ -295,9 +298,10 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
                   split: str = "test", cached_only: bool = False) -> Dict[str, Any]:
     """Clients, then every method on the same uploads; returns the record of (cell, seed)."""
     import torch
+
     from fedml_fedmitr.core.config import FedMITRConfig
     from fedml_fedmitr.core.ensemble import Ensemble
-    from fedml_fedmitr.core.evaluate import evaluate_ensemble, evaluate_model
+    from fedml_fedmitr.core.evaluate import evaluate_model
     from fedml_fedmitr.core.inversion import indices_of
     from fedml_fedmitr.core.methods import Callbacks, ServerContext, get_method
     from fedml_fedmitr.data import load_data
@@ -371,7 +375,7 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
         if hasattr(method, "distill"):
             plain = method.distill
 
-            def distill(pool, c, plain=plain):
+            def distill(pool, c, plain=plain, seen=seen, method=method):
                 seen["pool"] = pool
                 seen["start"] = evaluate_model(method.student, test, device, n)["acc"]
                 return plain(pool, c)

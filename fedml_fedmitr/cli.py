@@ -108,11 +108,18 @@ def validate(path: str):
 
 def validate_sections(sections, path: str):
     """:func:`validate` of already loaded YAML sections (``path`` names the file in messages)."""
-    from .core.config import ConfigError
+    from .core.config import ConfigError, FedMITRConfig
     from .core.methods import method_names
-    from .fedml_adapter.config import (check_data_args, check_model_args, check_run_args, check_run_keys,
-                                       check_unapplied, client_train_config, fedmitr_section, flatten)
-    from .core.config import FedMITRConfig
+    from .fedml_adapter.config import (
+        check_data_args,
+        check_model_args,
+        check_run_args,
+        check_run_keys,
+        check_unapplied,
+        client_train_config,
+        fedmitr_section,
+        flatten,
+    )
 
     flat = SimpleNamespace(**flatten(sections))
     name = getattr(flat, "federated_optimizer", None)
@@ -189,9 +196,9 @@ def run(cmd) -> int:
 
 
 def _run(cmd) -> int:
-    from .fedml_adapter.errors import USER_ERRORS
-
     import signal
+
+    from .fedml_adapter.errors import USER_ERRORS
 
     env_rank, _ = mpi_env_rank_size()
     try:
@@ -217,6 +224,7 @@ def _run(cmd) -> int:
 
     import fedml
     from fedml.arguments import Arguments
+
     from .fedml_adapter.config import read_fedmitr_config
     from .fedml_adapter.registry import register
 

@@ -26,7 +26,6 @@ import torch
 from torchvision.utils import make_grid, save_image
 
 from .core.checkpoint import write_bytes, write_text
-
 from .core.methods.base import Callbacks
 
 log = logging.getLogger("fedml_fedmitr")

@@ -29,7 +29,6 @@ import argparse
 import logging
 import os
 import sys
-from types import SimpleNamespace
 from typing import List, Optional
 
 log = logging.getLogger("fedml_fedmitr")

@@ -3,7 +3,6 @@ helpers that start real processes in their own process group, with a timeout, an
 process they started."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import signal
@@ -128,7 +127,7 @@ class Proc:
         except subprocess.TimeoutExpired:
             self.kill()
             self.p.communicate()
-            raise AssertionError(f"{' '.join(self.cmd)} timed out after {timeout} s\n{self.output()[-4000:]}")
+            raise AssertionError(f"{' '.join(self.cmd)} timed out after {timeout} s\n{self.output()[-4000:]}") from None
         self.stdout = out.decode(errors="replace") if out else ""
         self.stderr = err.decode(errors="replace") if err else ""
         return self.p.returncode
@@ -250,3 +249,14 @@ def consecutive_free_ports(n: int) -> int:
 def error_lines(stderr: str):
     """The ``fedml_fedmitr: error:`` lines of a stderr text."""
     return [line for line in stderr.splitlines() if line.startswith("fedml_fedmitr: error:")]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The layers of pytest.ini: core / process / mpi, from the test's file and fixtures."""
+    for item in items:
+        if item.fspath.basename.startswith("test_core_"):
+            item.add_marker(pytest.mark.core)
+        if "procs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.process)
+        if "mpi" in item.name or "mpirun" in item.name:
+            item.add_marker(pytest.mark.mpi)

@@ -3,7 +3,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedml_fedmitr.core.config import FedMITRConfig
 from fedml_fedmitr.core.ensemble import Ensemble, client_weights
 from fedml_fedmitr.core.models import create_vit
 

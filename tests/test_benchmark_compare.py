@@ -6,7 +6,6 @@ import importlib.util
 import json
 import sys
 import time
-from pathlib import Path
 
 import pytest
 

@@ -3,7 +3,6 @@
 The digits accuracy check is slow (about 4.5 minutes on one core; seen: ensemble 0.897, FedAvg 0.178,
 DENSE 0.575, Co-Boosting 0.450, FedFTG 0.358): it runs only with FEDMITR_SLOW=1.
 """
-import math
 import os
 
 import pytest
@@ -11,12 +10,27 @@ import torch
 import torch.nn.functional as F
 
 from fedml_fedmitr.core.config import ClientTrainConfig, FedMITRConfig
-from fedml_fedmitr.core.generator import (ConditionalGenerator, ConditionalSynthesizer, Generator, ImagePool,
-                                          pixel_bounds, random_shift_flip, upsampling_stages)
+from fedml_fedmitr.core.generator import (
+    ConditionalGenerator,
+    ConditionalSynthesizer,
+    Generator,
+    ImagePool,
+    pixel_bounds,
+    random_shift_flip,
+    upsampling_stages,
+)
 from fedml_fedmitr.core.methods import Callbacks, ClientUpload, ServerContext, get_method, method_names
-from fedml_fedmitr.core.methods.baselines import (class_level_ensemble, coboost_generator_loss,
-                                                  coboost_weight_step, dense_generator_loss, diversity_loss,
-                                                  masked_adversarial_loss, ods_perturb, per_sample_kl)
+from fedml_fedmitr.core.methods.baselines import (
+    class_level_ensemble,
+    coboost_generator_loss,
+    coboost_weight_step,
+    dense_generator_loss,
+    diversity_loss,
+    masked_adversarial_loss,
+    ods_perturb,
+    per_sample_kl,
+)
+
 from helpers_core import digits, loader, tiny_vit
 
 torch.set_num_threads(1)

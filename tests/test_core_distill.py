@@ -4,10 +4,16 @@ import torch
 import torch.nn.functional as F
 
 from fedml_fedmitr.core.config import FedMITRConfig
-from fedml_fedmitr.core.distill import (DriftGuard, augment_with_mask, background_targets, distill_student,
-                                        token_relabel_loss)
+from fedml_fedmitr.core.distill import (
+    DriftGuard,
+    augment_with_mask,
+    background_targets,
+    distill_student,
+    token_relabel_loss,
+)
 from fedml_fedmitr.core.ensemble import Ensemble, client_weights
 from fedml_fedmitr.core.models import embed_tokens
+
 from helpers_core import tiny_ensemble, tiny_vit
 
 
@@ -155,3 +161,46 @@ def test_guarded_distillation_resumes_bit_identically():
                               resume_state=saved[2])
     for (k, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_proximal_term_keeps_the_student_near_its_start_and_resumes_bit_identically():
+    ens = tiny_ensemble(2)
+    imgs, labels, masks = torch.randn(40, 1, 16, 16), torch.arange(40) % 10, random_mask(40, 16, 4)
+    cfg = FedMITRConfig(distill_epochs=3, distill_batch_size=8, distill_lr=0.05)
+
+    def distance(model):
+        start = tiny_vit(seed=7)
+        return sum(((a - b) ** 2).sum().item() for a, b in zip(model.parameters(), start.parameters()))
+
+    free = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg, "cpu", seed=1)
+    held = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg.replace(prox_weight=10.0), "cpu", seed=1)
+    assert distance(held) < 0.5 * distance(free)
+    saved = {}
+    prox = cfg.replace(prox_weight=1.0)
+    full = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, prox, "cpu", seed=1,
+                           checkpoint=lambda s: saved.setdefault(s["epoch"], copy.deepcopy(s)))
+    resumed = distill_student(tiny_vit(seed=123), ens, imgs, labels, masks, prox, "cpu", seed=1,
+                              resume_state=saved[1])
+    for (k, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_mixup_mixes_within_the_batch_deterministically_and_needs_ensemble_targets():
+    import pytest
+
+    from fedml_fedmitr.core.config import ConfigError
+    from fedml_fedmitr.core.distill import mix_batch
+    x = torch.stack([torch.full((1, 4, 4), float(i)) for i in range(6)])
+    a = mix_batch(x, 1.0, torch.Generator().manual_seed(3))
+    b = mix_batch(x, 1.0, torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and not torch.equal(a, x)
+    assert torch.allclose(a.mean(), x.mean())   # a convex mix of a permutation keeps the batch mean
+    with pytest.raises(ConfigError, match="distill_mixup"):
+        FedMITRConfig(distill_mixup=1.0, foreground_target="label").validate()
+    ens = tiny_ensemble(2)
+    imgs, labels, masks = torch.randn(24, 1, 16, 16), torch.arange(24) % 10, random_mask(24, 16, 4)
+    cfg = FedMITRConfig(distill_epochs=1, distill_batch_size=8, distill_mixup=1.0)
+    one = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg, "cpu", seed=1)
+    two = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg, "cpu", seed=1)
+    plain = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg.replace(distill_mixup=0.0), "cpu", seed=1)
+    assert torch.equal(one.head.weight, two.head.weight) and not torch.equal(one.head.weight, plain.head.weight)

@@ -8,6 +8,7 @@ from fedml_fedmitr.core.evaluate import evaluate_model
 from fedml_fedmitr.core.methods import Callbacks, ServerContext, get_method
 from fedml_fedmitr.core.models import create_vit
 from fedml_fedmitr.core.partition import partition
+
 from helpers_core import digits, loader
 
 SERVER = dict(num_synthetic=300, synthesis_batch_size=100, inversion_iters=40, inversion_lr=0.1, tv_weight=0.003,

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from fedml_fedmitr.core.ensemble import Ensemble, client_weights
+
 from helpers_core import tiny_ensemble, tiny_vit
 
 

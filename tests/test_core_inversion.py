@@ -1,7 +1,8 @@
 import torch
 
 from fedml_fedmitr.core.config import FedMITRConfig
-from fedml_fedmitr.core.inversion import (SparseModelInversion, patch_mask_to_pixels, remap_patches, tv_l2)
+from fedml_fedmitr.core.inversion import SparseModelInversion, patch_mask_to_pixels, remap_patches, tv_l2
+
 from helpers_core import tiny_ensemble
 
 

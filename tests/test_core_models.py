@@ -1,9 +1,17 @@
 import pytest
 import torch
 
-from fedml_fedmitr.core.models import (ModelError, check_vit, create_vit, forward_tokens,
-                                       load_global_model, load_state_checked, save_global_model,
-                                       average_state_dicts)
+from fedml_fedmitr.core.models import (
+    ModelError,
+    average_state_dicts,
+    check_vit,
+    create_vit,
+    forward_tokens,
+    load_global_model,
+    load_state_checked,
+    save_global_model,
+)
+
 from helpers_core import tiny_vit
 
 

@@ -2,8 +2,7 @@ import numpy as np
 import pytest
 
 from fedml_fedmitr.core.config import ConfigError, FedMITRConfig
-from fedml_fedmitr.core.partition import (dirichlet_partition, iid_partition, partition,
-                                          pathological_partition)
+from fedml_fedmitr.core.partition import dirichlet_partition, iid_partition, partition, pathological_partition
 
 LABELS = np.repeat(np.arange(10), 100)
 

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import torch
 
-from conftest import PYTHON, check_summary, child_env, read_summary, tiny_config, write_yaml
 from fedml_fedmitr.core.config import FedMITRConfig
+
+from conftest import PYTHON, check_summary, child_env, read_summary, tiny_config, write_yaml
 
 BUDGET_ONLY = {"output_dir": None, "num_synthetic": 100, "synthesis_batch_size": 50, "inversion_iters": 30,
                "distill_epochs": 10, "distill_batch_size": 50, "progress": False, "save_images": False}

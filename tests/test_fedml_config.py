@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import PYTHON, child_env, tiny_config, write_yaml
 from fedml_fedmitr.cli import validate
 from fedml_fedmitr.core.config import ConfigError
 from fedml_fedmitr.data import DataError, load_data
+
+from conftest import PYTHON, child_env, tiny_config, write_yaml
 
 
 def _validate(tmp_path, **sections):

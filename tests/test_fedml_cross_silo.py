@@ -6,8 +6,17 @@ import json
 
 import pytest
 
-from conftest import (MPIRUN, PYTHON, ROOT, check_summary, child_env, consecutive_free_ports, read_summary,
-                      tiny_config, write_yaml)
+from conftest import (
+    MPIRUN,
+    PYTHON,
+    ROOT,
+    check_summary,
+    child_env,
+    consecutive_free_ports,
+    read_summary,
+    tiny_config,
+    write_yaml,
+)
 
 
 def _cross_silo(out, backend, **extra):

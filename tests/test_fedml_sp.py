@@ -64,10 +64,12 @@ def test_sp_end_to_end_offline(tmp_path, tmp_home, procs):
         rec = json.loads((out / "clients" / f"client_{cid}.json").read_text())
         assert rec["local_test_acc"] is not None and rec["local_test_samples"] > 0
     # the checkpoint rebuilds through the documented helper and scores what the summary says
+    from types import SimpleNamespace
+
     import torch
+
     from fedml_fedmitr import load_data, load_global_model
     from fedml_fedmitr.core.evaluate import evaluate_model
-    from types import SimpleNamespace
 
     model = load_global_model(out / "global_model.pt")
     args = SimpleNamespace(dataset="digits", random_seed=0, img_size=16, client_num_in_total=3,

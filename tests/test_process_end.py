@@ -4,8 +4,9 @@ from __future__ import annotations
 import subprocess
 import textwrap
 
-from conftest import PYTHON, child_env
 from fedml_fedmitr.fedml_adapter import process_end
+
+from conftest import PYTHON, child_env
 
 
 def test_exit_process_keeps_buffered_output_and_log_lines(tmp_path):

@@ -5,8 +5,13 @@ import torch
 from PIL import Image
 from torchvision.transforms.functional import pil_to_tensor
 
-from fedml_fedmitr.report import (ReportCallbacks, denormalise, overlay_masks, plot_label_distribution,
-                                  save_synthetic_pictures)
+from fedml_fedmitr.report import (
+    ReportCallbacks,
+    denormalise,
+    overlay_masks,
+    plot_label_distribution,
+    save_synthetic_pictures,
+)
 
 
 def test_overlay_marks_exactly_the_background_patches_of_the_mask():

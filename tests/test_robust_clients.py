@@ -9,8 +9,17 @@ import json
 
 import pytest
 
-from conftest import (MPIRUN, PYTHON, child_env, consecutive_free_ports, error_lines, read_summary, tiny_config,
-                      wait_for, write_yaml)
+from conftest import (
+    MPIRUN,
+    PYTHON,
+    child_env,
+    consecutive_free_ports,
+    error_lines,
+    read_summary,
+    tiny_config,
+    wait_for,
+    write_yaml,
+)
 
 TIMEOUT_S = 12
 STALL_LINE = "stalls before its upload"

@@ -14,8 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from conftest import PYTHON, child_env, error_lines, tiny_config, write_yaml
 from fedml_fedmitr import cli, server_only
+
+from conftest import PYTHON, child_env, error_lines, tiny_config, write_yaml
 
 
 def _npz(path, n_train=40, classes=3, drop=(), labels=None):
@@ -120,8 +121,9 @@ def test_server_only_user_errors(tmp_path, tmp_home, capfd):
 
 def _crafted_uploads(path, args_cfg, bad_client=None, bad="shape"):
     """Uploads of 2 clients of the tiny config's model; client ``bad_client`` is of another architecture."""
-    import torch
     from types import SimpleNamespace
+
+    import torch
 
     from fedml_fedmitr.data import load_data
     from fedml_fedmitr.fedml_adapter.model import create_model

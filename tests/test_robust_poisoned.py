@@ -11,6 +11,7 @@ from fedml_fedmitr.core.config import ClientTrainConfig, ConfigError, FedMITRCon
 from fedml_fedmitr.core.methods import Callbacks, ServerContext, get_method
 from fedml_fedmitr.core.partition import partition
 from fedml_fedmitr.core.screening import ScreeningError, robust_z, weight_distances
+
 from helpers_core import digits, loader, tiny_vit
 
 K, POISONED = 6, (1, 4)      # client 1 uploads random weights, client 4 trains on flipped labels

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PYTHON, child_env, free_ports
 from fedml_fedmitr.fedml_adapter.safe_pickle import RefusedMessage, safe_loads
+
+from conftest import PYTHON, child_env, free_ports
 
 
 class _Evil:
@@ -25,6 +26,7 @@ class _Evil:
 
 def test_fedml_messages_with_model_payloads_pass():
     from fedml.core.distributed.communication.message import Message
+
     from helpers_core import tiny_vit
 
     msg = Message("upload", 1, 0)
@@ -142,6 +144,7 @@ def test_planted_files_are_refused_without_running(tmp_path):
     from fedml_fedmitr.core.checkpoint import load_if_exists
     from fedml_fedmitr.core.models import ModelError, load_global_model, load_pretrained_file
     from fedml_fedmitr.fedml_adapter.state import StateError, load_uploads
+
     from helpers_core import tiny_vit
 
     marker = tmp_path / "pwned"
@@ -154,7 +157,7 @@ def test_planted_files_are_refused_without_running(tmp_path):
         load_if_exists(planted)
     with pytest.raises(ModelError, match="cannot be read as weights only"):
         load_pretrained_file(tiny_vit(), planted)
-    with pytest.raises(Exception):
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         load_global_model(planted)
     assert not marker.exists()
 
@@ -265,6 +268,7 @@ def test_running_federation_with_auth_token_refuses_an_attack_and_finishes(tmp_p
     unsigned message while it waits for its clients: both refused unexecuted, the run finishes."""
     import grpc
     from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_comm_manager_pb2_grpc
+
     from conftest import consecutive_free_ports, read_summary, tiny_config, wait_for, write_yaml
 
     base = consecutive_free_ports(3)

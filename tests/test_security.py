@@ -7,9 +7,7 @@ import json
 import logging
 import os
 import signal
-import socket
 import stat
-import subprocess
 import sys
 import time
 
@@ -17,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PYTHON, ROOT, child_env, error_lines, free_ports, tiny_config, wait_for, write_yaml
 from fedml_fedmitr import cli
 from fedml_fedmitr.core.config import ConfigError
+
+from conftest import PYTHON, child_env, error_lines, free_ports, tiny_config, wait_for, write_yaml
 
 
 def _one_line(capfd, rc, words):
@@ -231,6 +230,7 @@ def test_user_error_is_not_printed_twice_once_fedml_logs(tmp_path, capfd):
 
 def test_ipconfig_without_this_rank_or_a_served_port_is_refused(tmp_path):
     from types import SimpleNamespace
+
     from fedml_fedmitr.fedml_adapter.config import check_grpc_endpoint
     ports = free_ports(3)
     csv = tmp_path / "ip.csv"
@@ -241,8 +241,9 @@ def test_ipconfig_without_this_rank_or_a_served_port_is_refused(tmp_path):
     args.worker_num = 1
     check_grpc_endpoint(args, 0)   # free: fine
     # a FedML GRPC server already on rank 0's port (grpc would share it through SO_REUSEPORT)
-    from fedml_fedmitr.fedml_adapter import comm_fix, grpc_security
     from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
+
+    from fedml_fedmitr.fedml_adapter import comm_fix, grpc_security
     comm_fix.apply_all("GRPC", grpc_security.GrpcSecurity())
     first = GRPCCommManager(str(csv), client_rank=0, client_num=1)
     try:
@@ -264,3 +265,28 @@ def test_ctrl_c_and_sigterm_end_with_one_line(sig, code, word, tmp_path, tmp_hom
     assert p.wait(timeout=60) == code, p.output()[-3000:]
     text = p.output()
     assert word in text and "Traceback" not in text, text[-3000:]
+
+
+def test_a_rank_heard_from_one_host_is_refused_from_another():
+    from types import SimpleNamespace
+
+    from fedml_fedmitr.fedml_adapter.comm_fix import _check_sender_host
+    from fedml_fedmitr.fedml_adapter.safe_pickle import RefusedMessage
+    manager = SimpleNamespace()
+    _check_sender_host(manager, 1, "ipv4:10.0.0.5:40001 (claims client_1)")
+    _check_sender_host(manager, 1, "ipv4:10.0.0.5:40517 (claims client_1)")   # a new channel, same host
+    _check_sender_host(manager, 2, "ipv4:10.0.0.6:40002 (claims client_2)")
+    with pytest.raises(RefusedMessage, match="rank 1 is already connected from ipv4:10.0.0.5"):
+        _check_sender_host(manager, 1, "ipv4:10.0.0.9:40003 (claims client_1)")
+    _check_sender_host(manager, 1, "this process")   # the server's own loop
+
+
+def test_resume_without_saved_state_says_so(tmp_path, tmp_home, capfd):
+    out = tmp_path / "out"
+    cfg = write_yaml(tmp_path / "c.yaml", tiny_config(out, train_args={"epochs": 1}, fedmitr_args={"resume": True}))
+    assert cli.main(["--cf", str(cfg)]) == 0
+    cap = capfd.readouterr()
+    assert "resume: true but" in cap.out + cap.err and "holds no saved uploads" in cap.out + cap.err
+    assert cli.main(["--cf", str(cfg)]) == 0   # now there is state: it resumes from it
+    cap = capfd.readouterr()
+    assert "resuming from the saved uploads" in cap.out + cap.err

@@ -6,15 +6,15 @@ Everything else is what a FedML user already has: ``fedml.init``, ``fedml.device
 their own dataset in FedML's 8-item format, their own timm ViT, ``FedMLRunner(...).run()``. The
 config says ``federated_optimizer: FedMITR`` and has a ``fedmitr_args:`` section.
 """
+import fedml
 import numpy as np
 import timm
 import torch
+from fedml import FedMLRunner
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
-import fedml
 import fedml_fedmitr  # noqa: F401  makes FedMLRunner accept federated_optimizer: FedMITR
-from fedml import FedMLRunner
 
 
 def load_my_dataset(args):

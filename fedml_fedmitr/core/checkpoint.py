@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any, Callable, IO, Optional
+from typing import IO, Any, Callable, Optional
 
 import torch
 

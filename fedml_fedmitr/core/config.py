@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass, fields
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 
 class ConfigError(ValueError):
@@ -79,6 +79,10 @@ class FedMITRConfig:
     drift_guard: str = "none"           # "pool_agreement": hold out guard_fraction of the pool and return
                                         # the student (start included) that agrees best with the ensemble there
     guard_fraction: float = 0.1         # share of the pool held out for the drift guard
+    distill_mixup: float = 0.0          # alpha > 0: each distillation batch is mixed with a shuffled copy of
+                                        # itself, lambda ~ Beta(alpha, alpha), and relabelled by the ensemble
+    prox_weight: float = 0.0            # mu of a proximal term mu/2 * ||w - w_start||^2 that keeps the student
+                                        # near its start (FedAvg of the clients, or the pretrained weights)
 
     # ---- ensemble of client models ----
     ensemble_weighting: str = "mean"    # "mean", "samples" (by sample count), "per_class"
@@ -174,7 +178,8 @@ class FedMITRConfig:
             v = getattr(self, key)
             if not (v > 0 and math.isfinite(v)):
                 bad(key, "a finite number > 0")
-        for key in ["tv_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight",
+        for key in ["tv_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight", "prox_weight",
+                    "distill_mixup",
                     "coboost_eps", "coboost_mu", "fedftg_div_weight", "client_timeout_s", "screening_z",
                     "server_lost_s"]:
             v = getattr(self, key)
@@ -193,6 +198,10 @@ class FedMITRConfig:
             bad("jitter", "-1 (automatic) or a number of pixels >= 0")
         if not (0.0 < self.guard_fraction < 0.5):
             bad("guard_fraction", "a fraction in (0, 0.5)")
+        if self.distill_mixup > 0 and not (self.distill_mode == "kd_full" or (
+                self.distill_mode == "token_relabel" and self.foreground_target == "ensemble")):
+            bad("distill_mixup", "0 unless every target comes from the ensemble (distill_mode kd_full, or "
+                "token_relabel with foreground_target: ensemble): a mixed image has no single synthesis label")
         if self.prune_at is None and self.prune_fractions is not None:
             if not self.prune_fractions or not all(0.0 < f < 1.0 for f in self.prune_fractions):
                 bad("prune_fractions", "a non-empty list of fractions of inversion_iters in (0, 1), or null")

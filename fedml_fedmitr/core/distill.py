@@ -9,6 +9,13 @@ Ablations: ``kd_full`` (plain KD on full images, T^2 * KL(E(x) || g(x))) and ``c
 (CE on X_h only). ``foreground_target: ensemble`` replaces the foreground CE by
 T^2 * KL(softmax(E(X_h) / T) || softmax(g(X_h) / T)): the ensemble relabels the kept tokens too.
 
+Mixup (``distill_mixup: alpha > 0``): every batch is mixed with a shuffled copy of itself
+(:func:`mix_batch`); allowed only where every target is the ensemble's prediction on the mixed input.
+
+Proximal term (``prox_weight: mu > 0``): mu/2 * ||w - w_start||^2 is added to every step, w_start the
+student at the start of distillation (FedAvg of the uploads, or the pretrained weights), so a
+student that starts above what the synthetic pool can teach stays near that start.
+
 Drift guard (``drift_guard: pool_agreement``): ``guard_fraction`` of the pool (every k-th image,
 so each class keeps its share) is held out of training; after every epoch the student's agreement
 with the ensemble's prediction on those held-out synthetic images is measured, and the student of
@@ -73,6 +80,17 @@ def token_relabel_loss(student: nn.Module, ensemble: Ensemble, x: torch.Tensor, 
     return loss, parts
 
 
+def mix_batch(x: torch.Tensor, alpha: float, gen: torch.Generator) -> torch.Tensor:
+    """lambda * x + (1 - lambda) * x[perm], lambda ~ Beta(alpha, alpha), perm a shuffle of the batch
+    (both drawn from ``gen``: deterministic). The targets come from the ensemble on the mixed images,
+    so a pool of n images teaches the student on the ensemble's function between them too; the keep
+    mask stays the first image's."""
+    import numpy as np
+    lam = float(np.random.default_rng(int(torch.randint(0, 2 ** 31 - 1, (1,), generator=gen))).beta(alpha, alpha))
+    perm = torch.randperm(x.shape[0], generator=gen).to(x.device)
+    return lam * x + (1.0 - lam) * x[perm]
+
+
 def augment_with_mask(x: torch.Tensor, mask: torch.Tensor, grid: Tuple[int, int], patch: Tuple[int, int],
                       gen: torch.Generator, allow_flip: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """Random whole-patch shift (roll, up to one patch) and h-flip of a batch, applied to the images
@@ -116,7 +134,11 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
     opt = make_optimizer(student.parameters(), cfg.distill_optimizer, cfg.distill_lr, cfg.distill_weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.distill_epochs * steps_per_epoch))
     start_epoch = 0
+    # the proximal term's anchor: the student as it starts (before a resumed state is loaded)
+    anchor = ([p.detach().clone() for p in student.parameters()] if cfg.prox_weight > 0 else None)
     if resume_state is not None:
+        if anchor is not None and resume_state.get("anchor") is not None:
+            anchor = [a.clone() for a in resume_state["anchor"]]
         student.load_state_dict(resume_state["student"])
         opt.load_state_dict(resume_state["optimizer"])
         sched.load_state_dict(resume_state["scheduler"])
@@ -138,7 +160,13 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
             x, y, m = images[idx].to(device), labels[idx].to(device), masks[idx].to(device)
             if cfg.distill_augment:
                 x, m = augment_with_mask(x, m, grid, patch, gen, allow_flip=flip)
+            if cfg.distill_mixup > 0:
+                x = mix_batch(x, cfg.distill_mixup, gen)
             loss, parts = token_relabel_loss(student, ensemble, x, y, m, cfg)
+            if anchor is not None:
+                prox = sum(((p - a) ** 2).sum() for p, a in zip(student.parameters(), anchor))
+                loss = loss + 0.5 * cfg.prox_weight * prox
+                parts["prox"] = float(prox.item())
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -165,7 +193,7 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
         if checkpoint is not None:
             checkpoint({"student": student.state_dict(), "optimizer": opt.state_dict(),
                         "scheduler": sched.state_dict(), "epoch": epoch + 1,
-                        "guard": guard.state() if guard is not None else None})
+                        "guard": guard.state() if guard is not None else None, "anchor": anchor})
     if bar is not None:
         bar.close()
     if guard is not None:

@@ -12,8 +12,7 @@ pixels stay bit-identical to the end. Loss: CE(E(jitter(x) on kept tokens), y) +
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
-
-import torch
-from torch import nn
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import timm
+import torch
 from timm.models import register_model
 from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
 
 class ModelError(ValueError):

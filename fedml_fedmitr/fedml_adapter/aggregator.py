@@ -27,11 +27,11 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from fedml.core import ServerAggregator
 
+from ..core.checkpoint import write_text
 from ..core.evaluate import evaluate_model
 from ..core.methods import get_method
-from ..core.methods.base import Callbacks, ClientUpload, ServerContext
-from ..core.checkpoint import write_text
-from ..core.models import ModelError, check_finite, load_state_checked, save_global_model
+from ..core.methods.base import ClientUpload, ServerContext
+from ..core.models import ModelError, load_state_checked, save_global_model
 from ..report import ReportCallbacks, plot_label_distribution
 from . import state as saved_state
 from .checks import check_upload
@@ -123,7 +123,7 @@ class FedMITRServerAggregator(ServerAggregator):
     def uploads_from(self, model_list) -> List[ClientUpload]:
         """Client uploads out of FedML's model list, checked (architecture, NaN/Inf, empty shard)."""
         uploads, train_s, payloads = [], [], []
-        for sample_num, params in model_list:
+        for _sample_num, params in model_list:
             if not isinstance(params, dict) or PAYLOAD_KEY not in params:
                 raise UserError(
                     f"federated_optimizer = {self.method_name!r}: a client sent {type(params).__name__} "

@@ -97,8 +97,7 @@ def _check_sender_host(manager, sender_id: int, peer: str) -> None:
 
 def _grpc_send_message(self, request, context):
     """FedML's servicer ``sendMessage``, queueing (peer address, bytes) instead of the bytes."""
-    from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2
-    from fedml.core.distributed.communication.grpc import grpc_server
+    from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_server
 
     peer = f"{context.peer()} (claims client_{request.client_id})"
     with grpc_server.lock:
@@ -124,7 +123,6 @@ def apply_grpc_fix() -> None:
 def remove_grpc_fix() -> None:
     """Restore FedML's original GRPC loop (for tests that demonstrate the bug)."""
     from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
-
     from fedml.core.distributed.communication.grpc.grpc_server import GRPCCOMMServicer
 
     original = GRPCCommManager.__dict__.get("__fedmitr_original_subroutine__")

@@ -365,6 +365,7 @@ def check_data_args(args) -> None:
 
 def check_model_args(args) -> None:
     import timm
+
     from ..core import models as _models  # noqa: F401  (registers the fedmitr_vit_* presets)
 
     name = getattr(args, "model", None)

@@ -10,7 +10,7 @@ The model is built right after seeding torch with ``random_seed``, so every proc
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 from torch import nn

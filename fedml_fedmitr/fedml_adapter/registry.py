@@ -43,6 +43,7 @@ def register() -> None:
     if _REGISTERED:
         return
     from fedml.runner import FedMLRunner
+
     from .offline import install_offline_fetch_config
 
     for attr, mode in (("_init_simulation_runner", "simulation"), ("_init_cross_silo_runner", "cross_silo")):
@@ -58,6 +59,7 @@ def unregister() -> None:
     """Undo :func:`register` (for tests)."""
     global _REGISTERED
     from fedml.runner import FedMLRunner
+
     from .offline import uninstall_offline_fetch_config
 
     for attr in ("_init_simulation_runner", "_init_cross_silo_runner"):

@@ -34,8 +34,6 @@ import logging
 import time
 from typing import List, Optional
 
-import torch
-
 from ..core.config import ConfigError
 from ..core.models import ModelError, check_vit
 from .errors import ClientFailure, StateError
@@ -66,8 +64,8 @@ def attach_plugin_logging() -> None:
 
 class FedMITRRunner:
     def __init__(self, args, device, dataset, model, client_trainer=None, server_aggregator=None):
-        from .config import check_run_args, client_train_config, read_fedmitr_config
         from ..core.methods import method_names
+        from .config import check_run_args, client_train_config, read_fedmitr_config
 
         self.start_time = time.perf_counter()
         attach_plugin_logging()

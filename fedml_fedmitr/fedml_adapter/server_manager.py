@@ -42,10 +42,10 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from fedml.core.distributed.communication.message import Message
 from fedml.cross_silo.client.fedml_client_master_manager import ClientMasterManager
 from fedml.cross_silo.server.fedml_server_manager import FedMLServerManager
 from fedml.cross_silo.server.message_define import MyMessage
-from fedml.core.distributed.communication.message import Message
 
 from .errors import ClientFailure, ServerStopped, one_line
 from .process_end import abort_mpi_job

@@ -200,7 +200,7 @@ def lock_output_dir(output_dir) -> bool:
         finally:
             os.close(fd)
         raise StateError(f"fedmitr_args.output_dir {str(output_dir)!r} is in use by another run (PID {holder}); "
-                         "wait for it to finish, or give this run another output_dir")
+                         "wait for it to finish, or give this run another output_dir") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held_locks[key] = fd

@@ -18,7 +18,6 @@ FedML's cross-silo client calls, in order: ``set_model_params(initial global mod
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -29,11 +28,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from fedml.core import ClientTrainer
 
+from ..core.checkpoint import write_text
 from ..core.client import train_client
 from ..core.config import ClientTrainConfig, FedMITRConfig
 from ..core.evaluate import evaluate_model
 from ..core.methods.base import Callbacks
-from ..core.checkpoint import write_text
 from ..core.models import ModelError, load_state_checked, save_global_model
 from .checks import check_architecture
 from .errors import ClientFailure

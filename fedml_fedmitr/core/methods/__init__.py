@@ -28,7 +28,7 @@ def method_names():
 
 
 def _load_builtin() -> None:
-    from . import fedmitr, fedavg  # noqa: F401  (register themselves)
+    from . import fedavg, fedmitr  # noqa: F401  (register themselves)
     try:
         from . import baselines  # noqa: F401
     except ImportError:  # baselines module not present yet

@@ -63,8 +63,9 @@ class Callbacks:
         self.show_progress = progress
 
     def progress(self, stage: str, total: int):
-        from tqdm.auto import tqdm
         import sys
+
+        from tqdm.auto import tqdm
         disable = (not self.show_progress) or not getattr(sys.__stderr__, "isatty", lambda: False)()
         return tqdm(total=total, desc=stage, disable=disable, file=sys.__stderr__, leave=False,
                     dynamic_ncols=True)
@@ -186,7 +187,7 @@ class ServerMethod(abc.ABC):
 
     def evaluate(self, model: nn.Module, ctx: ServerContext) -> Dict[str, Any]:
         """Accuracy of the global model and of the ensemble on ``ctx.eval_loader`` (if any)."""
-        from ..evaluate import evaluate_model, evaluate_ensemble
+        from ..evaluate import evaluate_ensemble, evaluate_model
 
         if ctx.eval_loader is None:
             return {}

@@ -40,8 +40,13 @@ from ..client import make_optimizer
 from ..distill import kd_kl
 from ..ensemble import client_weights
 from ..evaluate import evaluate_model
-from ..generator import (AdversarialSynthesizer, ConditionalGenerator, ConditionalSynthesizer, Generator,
-                         random_shift_flip)
+from ..generator import (
+    AdversarialSynthesizer,
+    ConditionalGenerator,
+    ConditionalSynthesizer,
+    Generator,
+    random_shift_flip,
+)
 from . import register_method
 from .base import ServerContext, ServerMethod, ServerResult
 
@@ -372,7 +377,6 @@ class CoBoosting(GeneratorBaseline):
 
     def setup(self, ctx: ServerContext) -> None:
         cfg = self.config
-        k = len(self.ensemble)
         # client weights w (K,), starting from the configured ensemble weights (1/K for "mean")
         self.client_weight = self.ensemble.weights.mean(1).detach().clone()
         self.client_weight = self.client_weight / self.client_weight.sum()

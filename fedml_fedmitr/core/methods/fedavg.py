@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import FedMITRConfig
 from ..models import fedavg_state_dict, load_state_checked
 from . import register_method
 from .base import ServerContext, ServerMethod
