@@ -206,6 +206,8 @@ def _run(cmd) -> int:
     except ValueError:   # not the main thread (an embedding program): its own handling stays
         pass
     try:
+        from .fedml_adapter.registry import check_fedml_version
+        check_fedml_version()
         sections, flat = validate(cmd.yaml_config_file)
         preflight(sections, flat)
         from .fedml_adapter.config import check_grpc_endpoint, read_fedmitr_config

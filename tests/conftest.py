@@ -57,6 +57,8 @@ def child_env(home: Path, **extra) -> dict:
     env.pop("HTTP_PROXY", None)
     env.pop("HTTPS_PROXY", None)
     env.update({k: str(v) for k, v in extra.items()})
+    if any(k.startswith("FEDMITR_TEST_") for k in extra):   # fault injection (tests/faults/sitecustomize.py)
+        env["PYTHONPATH"] = str(ROOT / "tests" / "faults") + os.pathsep + env["PYTHONPATH"]
     return env
 
 

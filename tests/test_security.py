@@ -290,3 +290,10 @@ def test_resume_without_saved_state_says_so(tmp_path, tmp_home, capfd):
     assert cli.main(["--cf", str(cfg)]) == 0   # now there is state: it resumes from it
     cap = capfd.readouterr()
     assert "resuming from the saved uploads" in cap.out + cap.err
+
+
+def test_another_fedml_version_is_one_line(tmp_path, tmp_home, capfd, monkeypatch):
+    from fedml_fedmitr.fedml_adapter import registry
+    monkeypatch.setattr(registry, "installed_fedml_version", lambda: "0.8.18")
+    cfg = write_yaml(tmp_path / "c.yaml", tiny_config(tmp_path / "out"))
+    _one_line(capfd, cli.main(["--cf", str(cfg)]), ["supports FedML 0.9.6, found 0.8.18", "pip install fedml==0.9.6"])

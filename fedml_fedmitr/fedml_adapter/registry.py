@@ -42,6 +42,7 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
+    check_fedml_version()
     from fedml.runner import FedMLRunner
 
     from .offline import install_offline_fetch_config
@@ -69,3 +70,25 @@ def unregister() -> None:
             setattr(FedMLRunner, attr, original)
     uninstall_offline_fetch_config()
     _REGISTERED = False
+
+
+SUPPORTED_FEDML = ("0.9.6",)
+
+
+def installed_fedml_version():
+    """FedML's version from its package metadata (FedML is not imported); None if not installed."""
+    from importlib import metadata
+    try:
+        return metadata.version("fedml")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_fedml_version() -> None:
+    """The plugin patches FedML 0.9.6's internals (runner dispatch, receive loops, fetch_config): with
+    another version it stops with one line instead of patching code it does not know."""
+    from .errors import UserError
+    found = installed_fedml_version()
+    if found not in SUPPORTED_FEDML:
+        raise UserError(f"fedml_fedmitr supports FedML {', '.join(SUPPORTED_FEDML)}, found "
+                        f"{found or 'no FedML'}: pip install fedml=={SUPPORTED_FEDML[-1]}")

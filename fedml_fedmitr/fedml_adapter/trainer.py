@@ -77,32 +77,6 @@ def check_shard(client_id: int, loader, num_classes: int) -> None:
                              "class_num disagrees with the data (labels must lie in 0..class_num-1)")
 
 
-def _test_hooks(args, uploads: List[dict]) -> None:
-    """Test-only failure injection, off unless an environment variable names this process's rank:
-    ``FEDMITR_TEST_STALL_RANK=r`` makes client process r hang before its upload (for
-    ``FEDMITR_TEST_STALL_S`` seconds, default an hour); ``FEDMITR_TEST_NAN_RANK=r`` puts a NaN in
-    its uploaded weights. Used by ``tests/test_robust_*.py`` to fail a real client process."""
-    rank = str(getattr(args, "rank", ""))
-    if os.environ.get("FEDMITR_TEST_NAN_RANK") == rank:
-        for payload in uploads:
-            key = next(k for k, v in payload["state_dict"].items() if v.is_floating_point())
-            payload["state_dict"][key].view(-1)[0] = float("nan")
-        log.warning("test hook: client process %s uploads a NaN weight", rank)
-    if os.environ.get("FEDMITR_TEST_STALL_RANK") == rank:
-        seconds = float(os.environ.get("FEDMITR_TEST_STALL_S", "3600"))
-        log.warning("test hook: client process %s stalls for %.0f s before its upload", rank, seconds)
-        _raw_stderr(f"fedml_fedmitr: test hook: client process {rank} stalls before its upload\n")
-        time.sleep(seconds)
-
-
-def _raw_stderr(text: str) -> None:
-    import sys
-    stream = sys.__stderr__
-    if stream is not None:
-        type(stream).write(stream, text)
-        stream.flush()
-
-
 class FedMITRClientTrainer(ClientTrainer):
     def __init__(self, model, args, train_config: Optional[ClientTrainConfig] = None,
                  fedmitr_config: Optional[FedMITRConfig] = None, num_classes: Optional[int] = None,
@@ -174,7 +148,6 @@ class FedMITRClientTrainer(ClientTrainer):
             payload["train_s"] = seconds
             self.uploads.append(payload)
             log.info("client %d trained on %d samples in %.1f s", client_id, upload.num_samples, seconds)
-        _test_hooks(self.args, self.uploads)
         self.trained = True
 
     def test(self, test_data, device, args):
