@@ -1196,7 +1196,7 @@ def job_method(job: Dict[str, Any], device) -> Dict[str, Any]:
     settings, seed, name = job["settings"], int(job["seed"]), job["method"]
     data = load_task(settings)
     n = data["num_classes"]
-    blob = torch.load(job["clients"], map_location="cpu", weights_only=False)
+    blob = torch.load(job["clients"], map_location="cpu", weights_only=True)
     init = blob["init_state"]
     uploads = [ClientUpload.from_payload(p) for p in blob["uploads"]]
 

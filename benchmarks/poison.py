@@ -62,7 +62,7 @@ def make_variants(settings: Dict[str, Any], seed: int, clients_pt: Path, out: Pa
     from fedml_fedmitr.core.client import train_client
     from fedml_fedmitr.core.partition import partition
 
-    blob = torch.load(str(clients_pt), map_location="cpu", weights_only=False)
+    blob = torch.load(str(clients_pt), map_location="cpu", weights_only=True)
     paths = {"clean": out / "clean.pt"}
     for a in attacks:
         paths[a] = out / f"{a}.pt"

@@ -216,7 +216,7 @@ def _clients(cell_name: str, split: str, seed: int, args, dataset, n, device):
 
     path = CACHE / "clients" / f"{cell_name}_{split}_s{seed}.pt"
     if path.exists():
-        blob = torch.load(str(path), map_location="cpu", weights_only=False)
+        blob = torch.load(str(path), map_location="cpu", weights_only=True)
         return [ClientUpload.from_payload(p) for p in blob["uploads"]], blob["init"], blob["train_s"]
     init = create_model(args, n).state_dict()
     cfg = client_train_config(args)
