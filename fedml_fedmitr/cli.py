@@ -114,12 +114,11 @@ def validate_sections(sections, path: str):
         check_data_args,
         check_model_args,
         check_run_args,
-        check_run_keys,
-        check_unapplied,
         client_train_config,
         fedmitr_section,
         flatten,
     )
+    from .fedml_adapter.run_checks import check_run_keys, check_unapplied
 
     flat = SimpleNamespace(**flatten(sections))
     name = getattr(flat, "federated_optimizer", None)
@@ -210,7 +209,8 @@ def _run(cmd) -> int:
         check_fedml_version()
         sections, flat = validate(cmd.yaml_config_file)
         preflight(sections, flat)
-        from .fedml_adapter.config import check_grpc_endpoint, read_fedmitr_config
+        from .fedml_adapter.config import read_fedmitr_config
+        from .fedml_adapter.run_checks import check_grpc_endpoint
         check_grpc_endpoint(flat, cmd.rank)
         if (cmd.rank if env_rank is None else env_rank) == 0:   # the server holds output_dir for the whole run
             from .fedml_adapter.state import lock_output_dir, release_output_dir

@@ -146,20 +146,28 @@ def _crafted_uploads(path, args_cfg, bad_client=None, bad="shape"):
 
 
 def test_upload_of_another_architecture_names_the_client(tmp_path, tmp_home, procs):
-    """The server refuses a client model whose shapes differ from its own, before any synthesis."""
+    """The server refuses a client model whose shapes differ from its own, before any synthesis: with
+    min_clients 2 the one good upload left is not enough (exit 2, one line naming the client); with
+    the default min_clients 1 that client is dropped and named in summary.json, the run goes on."""
     out = tmp_path / "out"
     cfg_dict = tiny_config(out)
     cfg = write_yaml(tmp_path / "c.yaml", cfg_dict)
     uploads = tmp_path / "uploads.pt"
     _crafted_uploads(uploads, cfg_dict, bad_client=1)
-    p = procs.start([PYTHON, "-m", "fedml_fedmitr.server_only", "--cf", cfg, "--uploads", uploads],
-                    child_env(tmp_home))
+    p = procs.start([PYTHON, "-m", "fedml_fedmitr.server_only", "--cf", cfg, "--uploads", uploads,
+                     "--set", "min_clients=2"], child_env(tmp_home))
     rc = p.wait(timeout=120)
     assert rc == 2, p.output()[-4000:]
     lines = error_lines(p.stderr)
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    for word in ("the model of client 1", "another architecture", "'pos_embed'", "(1, 5, 96)", "(1, 17, 96)"):
+    for word in ("the model of client 1", "another architecture", "'pos_embed'", "(1, 5, 96)", "(1, 17, 96)",
+                 "min_clients = 2"):
         assert word in lines[0], (word, lines[0])
     record = json.loads((out / "error.json").read_text())
     assert record["user_error"] and "client 1" in record["error"] and record["exit_status"] == 2
     assert not (out / "state" / "FedMITR_pool.pt").exists()  # refused before any synthesis
+    p = procs.start([PYTHON, "-m", "fedml_fedmitr.server_only", "--cf", cfg, "--uploads", uploads],
+                    child_env(tmp_home))
+    assert p.wait(timeout=180) == 0, p.output()[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert "another architecture" in summary["clients_refused"]["1"] and summary["client_ids"] == [0]

@@ -53,7 +53,7 @@ def test_misspelt_fedml_keys_get_did_you_mean(section, key, value, hint, tmp_pat
 
 
 def test_custom_keys_pass_and_other_unknown_keys_warn(tmp_path, caplog):
-    from fedml_fedmitr.fedml_adapter.config import check_run_keys
+    from fedml_fedmitr.fedml_adapter.run_checks import check_run_keys
     sections = tiny_config(tmp_path / "out", train_args={"epocs": 3, "my_lab_tag": "x"},
                            fedmitr_args={"custom_keys": ["epocs"]})
     assert check_run_keys(sections) == ["train_args.my_lab_tag"]   # returned to be warned about
@@ -231,7 +231,7 @@ def test_user_error_is_not_printed_twice_once_fedml_logs(tmp_path, capfd):
 def test_ipconfig_without_this_rank_or_a_served_port_is_refused(tmp_path):
     from types import SimpleNamespace
 
-    from fedml_fedmitr.fedml_adapter.config import check_grpc_endpoint
+    from fedml_fedmitr.fedml_adapter.run_checks import check_grpc_endpoint
     ports = free_ports(3)
     csv = tmp_path / "ip.csv"
     csv.write_text("eid,rank,grpc_server_ip,grpc_server_port\n0,0,127.0.0.1,%d\n1,1,127.0.0.1,%d\n" % tuple(ports[:2]))
