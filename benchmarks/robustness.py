@@ -333,6 +333,7 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
     record: Dict[str, Any] = {
         "cell": cell_name, "seed": seed, "client_acc": client_acc, "clients_train_s": train_s,
         "ensemble_acc": float((ens_pred == y_test).float().mean()), "ensemble_correct_classes": ens_correct,
+        "num_test": int(len(y_test)),
         "client_label_counts": info.client_label_counts, "methods": {}}
 
     from fedml_fedmitr.core.config import FedMITRConfig as _Cfg
@@ -469,6 +470,12 @@ def summarise(records: List[Dict[str, Any]], cells: Sequence[str], seeds: Sequen
                                  "start_acc": _mean([v["start_acc"] for v in vals]),
                                  "collapsed_seeds": [r["seed"] for r, v in pairs if v["collapsed"]],
                                  "pool_fit": _mean([v["pool_fit"] for v in vals]) if "pool_fit" in vals[0] else None}
+        row["num_test"] = rs[0].get("num_test")
+        row["references"] = {key: {"test_acc": row["methods"][m]["test_acc"], "test_acc_per_seed": row["methods"][m]["per_seed"]}
+                             for key, m in (("kd_real", "KD-real"), ("kd_real_plain", "KD-real-plain"))
+                             if m in row["methods"]}
+        if "attention_probe" in row:
+            row["references"]["attention_probe"] = row["attention_probe"]
         f = row["methods"].get("FedMITR")
         if f:
             row["paired_vs_fedmitr"] = {}
@@ -545,6 +552,43 @@ def markdown(summary: Dict[str, Any], settings: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_curves(summary: Dict[str, Any], records: List[Dict[str, Any]], out_dir: Path) -> List[str]:
+    """One picture per cell: test accuracy per distillation epoch (epoch 0 = the start) of every distilled
+    method, mean over seeds, with the teacher and the FedAvg start as lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for cell, row in summary.items():
+        curves: Dict[str, List[List[float]]] = {}
+        for r in records:
+            if r["cell"] != cell:
+                continue
+            for m, v in r["methods"].items():
+                if v.get("curve"):
+                    curves.setdefault(m, []).append([v["start_acc"]] + list(v["curve"]))
+        if not curves:
+            continue
+        fig, ax = plt.subplots(figsize=(5.5, 3.4))
+        for m, cs in curves.items():
+            n = min(len(c) for c in cs)
+            mean = [100 * sum(c[i] for c in cs) / len(cs) for i in range(n)]
+            ax.plot(range(n), mean, label=f"{m} ({len(cs)} seeds)")
+        ax.axhline(100 * row["ensemble_acc"], color="k", ls="--", lw=0.8, label="ensemble")
+        ax.set_xlabel("distillation epoch (0 = start)")
+        ax.set_ylabel("test accuracy %")
+        ax.set_title(cell, fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{cell}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(str(path.relative_to(ROOT)))
+    return written
+
+
 def parse_set(items: Sequence[str]) -> Dict[str, Any]:
     import yaml
     out = {}
@@ -582,6 +626,10 @@ def merge_results(a, argv) -> int:
     (RESULTS / f"{a.name}.json").write_text(json.dumps({"settings": settings, "summary": summary, "records": records},
                                                        indent=1))
     md = markdown(summary, settings)
+    if a.plots:
+        pics = plot_curves(summary, records, RESULTS / f"{a.name}_curves")
+        md += "\nLearning curves (test accuracy per distillation epoch, mean over seeds): " + ", ".join(
+            f"`{p}`" for p in pics) + "\n"
     md += "\nMerged from: " + "; ".join(f"`{s['command']}`" for s in sources) + "\n"
     (RESULTS / f"{a.name}.md").write_text(md)
     print(md)
@@ -603,6 +651,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--merge", nargs="+", metavar="NAME",
                    help="write --name from the records of these earlier results (benchmarks/results/NAME.json), "
                         "the methods of each (cell, seed) joined; runs nothing")
+    p.add_argument("--plots", action="store_true",
+                   help="also draw each cell's learning curves into benchmarks/results/NAME_curves/")
     p.add_argument("--split", choices=["test", "val"], default="test",
                    help="evaluate on the test images, or on a validation split held out of the training images")
     a = p.parse_args(argv)
@@ -642,6 +692,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (RESULTS / f"{a.name}.json").write_text(json.dumps({"settings": settings, "summary": summary, "records": records},
                                                        indent=1))
     md = markdown(summary, settings)
+    if a.plots:
+        pics = plot_curves(summary, records, RESULTS / f"{a.name}_curves")
+        md += "\nLearning curves (test accuracy per distillation epoch, mean over seeds): " + ", ".join(
+            f"`{p}`" for p in pics) + "\n"
     (RESULTS / f"{a.name}.md").write_text(md)
     print(md)
     return 0
