@@ -600,6 +600,22 @@ def parse_set(items: Sequence[str]) -> Dict[str, Any]:
     return out
 
 
+def write_report(a, settings, summary, records, tail: str = "") -> int:
+    """``results/<name>.json`` and ``.md`` (and, with ``--plots``, the learning curves)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{a.name}.json").write_text(json.dumps({"settings": settings, "summary": summary, "records": records},
+                                                       indent=1))
+    md = markdown(summary, settings)
+    if a.plots:
+        pics = plot_curves(summary, records, RESULTS / f"{a.name}_curves")
+        md += "\nLearning curves (test accuracy per distillation epoch, mean over seeds): " + ", ".join(
+            f"`{p}`" for p in pics) + "\n"
+    md += tail
+    (RESULTS / f"{a.name}.md").write_text(md)
+    print(md)
+    return 0
+
+
 def merge_results(a, argv) -> int:
     """One report from the records of several result files (e.g. a method run on fewer seeds)."""
     merged: Dict[Any, Dict[str, Any]] = {}
@@ -623,17 +639,8 @@ def merge_results(a, argv) -> int:
     first = json.loads((RESULTS / f"{a.merge[0]}.json").read_text())["settings"]
     settings = dict(first, name=a.name, methods=methods, seeds=seeds, merged_from=sources,
                     command="python benchmarks/robustness.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    (RESULTS / f"{a.name}.json").write_text(json.dumps({"settings": settings, "summary": summary, "records": records},
-                                                       indent=1))
-    md = markdown(summary, settings)
-    if a.plots:
-        pics = plot_curves(summary, records, RESULTS / f"{a.name}_curves")
-        md += "\nLearning curves (test accuracy per distillation epoch, mean over seeds): " + ", ".join(
-            f"`{p}`" for p in pics) + "\n"
-    md += "\nMerged from: " + "; ".join(f"`{s['command']}`" for s in sources) + "\n"
-    (RESULTS / f"{a.name}.md").write_text(md)
-    print(md)
-    return 0
+    return write_report(a, settings, summary, records,
+                        "\nMerged from: " + "; ".join(f"`{s['command']}`" for s in sources) + "\n")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -688,17 +695,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "budget": BUDGET, "overrides": overrides, "split": a.split, "methods": a.methods, "seeds": a.seeds,
                 "cells": {c: CELLS[c] for c in a.cells}, "client_training": CLIENT, "backbones": backbones,
                 "defaults": FedMITRConfig().to_dict(), "wall_s": time.perf_counter() - t0}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{a.name}.json").write_text(json.dumps({"settings": settings, "summary": summary, "records": records},
-                                                       indent=1))
-    md = markdown(summary, settings)
-    if a.plots:
-        pics = plot_curves(summary, records, RESULTS / f"{a.name}_curves")
-        md += "\nLearning curves (test accuracy per distillation epoch, mean over seeds): " + ", ".join(
-            f"`{p}`" for p in pics) + "\n"
-    (RESULTS / f"{a.name}.md").write_text(md)
-    print(md)
-    return 0
+    return write_report(a, settings, summary, records)
 
 
 if __name__ == "__main__":

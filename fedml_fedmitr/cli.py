@@ -130,7 +130,7 @@ def validate_sections(sections, path: str):
     FedMITRConfig.from_dict(fedmitr_section(sections, path), where="fedmitr_args")
     check_unapplied(sections)
     from .fedml_adapter.grpc_security import security_from
-    security_from({k: v for k, v in (sections.get("fedmitr_args") or {}).items()})   # files and token, up front
+    security_from(sections.get("fedmitr_args"))   # the token and the certificate files, up front
     unknown = check_run_keys(sections, path)
     if unknown:
         logging.getLogger("fedml_fedmitr").warning(
@@ -152,16 +152,19 @@ def validate_sections(sections, path: str):
     return sections, flat
 
 
-def preflight(sections, flat) -> None:
+def preflight(sections, flat) -> str:
     """The checks of :func:`validate` that look at files: the dataset's files, arrays, ``class_num`` and
-    partition (:func:`fedml_fedmitr.data.preflight`), and a writable ``output_dir``. Still FedML-free."""
+    partition (:func:`fedml_fedmitr.data.preflight`), and a writable ``output_dir`` (returned, resolved).
+    Still FedML-free."""
     from .data import preflight as data_preflight
     from .fedml_adapter.config import check_output_dir, read_fedmitr_config
 
     data_preflight(flat, class_num_key=_section_of(sections, "class_num", "data_args"))
-    check_output_dir(read_fedmitr_config(SimpleNamespace(yaml_config_file="", fedmitr_args=sections.get("fedmitr_args")
-                                                         or {})).output_dir, create=True)
+    out_dir = read_fedmitr_config(SimpleNamespace(yaml_config_file="",
+                                                  fedmitr_args=sections.get("fedmitr_args") or {})).output_dir
+    check_output_dir(out_dir, create=True)
     check_gpu(sections, flat)
+    return out_dir
 
 
 def check_gpu(sections, flat) -> None:
@@ -208,13 +211,11 @@ def _run(cmd) -> int:
         from .fedml_adapter.registry import check_fedml_version
         check_fedml_version()
         sections, flat = validate(cmd.yaml_config_file)
-        preflight(sections, flat)
-        from .fedml_adapter.config import read_fedmitr_config
+        locked_dir = preflight(sections, flat)
         from .fedml_adapter.run_checks import check_grpc_endpoint
         check_grpc_endpoint(flat, cmd.rank)
         if (cmd.rank if env_rank is None else env_rank) == 0:   # the server holds output_dir for the whole run
             from .fedml_adapter.state import lock_output_dir, release_output_dir
-            locked_dir = read_fedmitr_config(SimpleNamespace(yaml_config_file=cmd.yaml_config_file)).output_dir
             lock_output_dir(locked_dir)
             cmd.release_lock = lambda: release_output_dir(locked_dir)   # noqa: E731
     except (KeyboardInterrupt, Terminated) as exc:

@@ -21,7 +21,7 @@ from fedml_fedmitr.core.config import ConfigError
 from conftest import PYTHON, child_env, error_lines, free_ports, tiny_config, wait_for, write_yaml
 
 
-def _one_line(capfd, rc, words):
+def _assert_one_line(capfd, rc, words):
     err = capfd.readouterr().err
     lines = error_lines(err)
     assert rc == 2, err[-3000:]
@@ -36,10 +36,10 @@ def test_duplicate_keys_and_sections_are_refused(tmp_path, tmp_home, capfd):
     text = write_yaml(tmp_path / "ok.yaml", tiny_config(tmp_path / "out")).read_text()
     dup_key = tmp_path / "dup_key.yaml"
     dup_key.write_text(text.replace("  epochs: 6\n", "  epochs: 6\n  epochs: 1\n"))
-    _one_line(capfd, cli.main(["--cf", str(dup_key)]), ["key 'epochs' appears twice", "dup_key.yaml"])
+    assert _assert_one_line(capfd, cli.main(["--cf", str(dup_key)]), ["key 'epochs' appears twice", "dup_key.yaml"])
     dup_section = tmp_path / "dup_section.yaml"
     dup_section.write_text(text + "train_args:\n  epochs: 1\n")
-    _one_line(capfd, cli.main(["--cf", str(dup_section)]), ["section 'train_args' appears twice"])
+    assert _assert_one_line(capfd, cli.main(["--cf", str(dup_section)]), ["section 'train_args' appears twice"])
     assert not (tmp_path / "out").exists()
 
 
@@ -49,7 +49,7 @@ def test_duplicate_keys_and_sections_are_refused(tmp_path, tmp_home, capfd):
 ])
 def test_misspelt_fedml_keys_get_did_you_mean(section, key, value, hint, tmp_path, tmp_home, capfd):
     cfg = write_yaml(tmp_path / "c.yaml", tiny_config(tmp_path / "out", **{section: {key: value}}))
-    _one_line(capfd, cli.main(["--cf", str(cfg)]), [f"{section}.{key}", hint, "fedmitr_args.custom_keys"])
+    assert _assert_one_line(capfd, cli.main(["--cf", str(cfg)]), [f"{section}.{key}", hint, "fedmitr_args.custom_keys"])
 
 
 def test_custom_keys_pass_and_other_unknown_keys_warn(tmp_path, caplog):
@@ -68,7 +68,7 @@ def test_custom_keys_pass_and_other_unknown_keys_warn(tmp_path, caplog):
                                          ("attack_args", "enable_attack")])
 def test_fedml_features_not_applied_are_refused(section, key, tmp_path, tmp_home, capfd):
     cfg = write_yaml(tmp_path / "c.yaml", tiny_config(tmp_path / "out", **{section: {key: True}}))
-    _one_line(capfd, cli.main(["--cf", str(cfg)]), [f"{section}.{key} = True", "does not apply", "set it to false"])
+    assert _assert_one_line(capfd, cli.main(["--cf", str(cfg)]), [f"{section}.{key} = True", "does not apply", "set it to false"])
 
 
 @pytest.mark.parametrize("sections,words", [
@@ -84,14 +84,14 @@ def test_fedml_features_not_applied_are_refused(section, key, tmp_path, tmp_home
 ])
 def test_bad_run_settings_are_one_line(sections, words, tmp_path, tmp_home, capfd):
     cfg = write_yaml(tmp_path / "c.yaml", tiny_config(tmp_path / "out", **sections))
-    _one_line(capfd, cli.main(["--cf", str(cfg)]), words)
+    assert _assert_one_line(capfd, cli.main(["--cf", str(cfg)]), words)
     assert not (tmp_home / ".fedml").exists()   # refused before FedML started
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_using_gpu_without_a_gpu_is_refused(tmp_path, tmp_home, capfd):
     cfg = write_yaml(tmp_path / "c.yaml", tiny_config(tmp_path / "out", device_args={"using_gpu": True}))
-    _one_line(capfd, cli.main(["--cf", str(cfg)]), ["using_gpu = true", "no CUDA device"])
+    assert _assert_one_line(capfd, cli.main(["--cf", str(cfg)]), ["using_gpu = true", "no CUDA device"])
 
 
 def test_home_in_output_dir_is_expanded(tmp_home):
@@ -111,7 +111,7 @@ def test_corrupt_image_array_is_found_by_the_preflight(tmp_path, tmp_home, capfd
     cfg = write_yaml(tmp_path / "c.yaml", tiny_config(
         tmp_path / "out", data_args={"dataset": "npz", "npz_path": str(path)},
         model_args={"img_size": 8, "patch_size": 4}))
-    _one_line(capfd, cli.main(["--cf", str(cfg)]), ["npz_path", "x_train"])
+    assert _assert_one_line(capfd, cli.main(["--cf", str(cfg)]), ["npz_path", "x_train"])
 
 
 def test_truncated_checkpoint_is_a_user_error_naming_the_file(tmp_path):
@@ -185,7 +185,7 @@ def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(tmp_pat
     holder = procs.start([PYTHON, "-c", HOLD, out], child_env(tmp_home), log_path=tmp_path / "holder.log")
     wait_for(lambda: "LOCKED" in holder.output(), 60, 0.1, "the first run to lock", [holder])
     cfg = write_yaml(tmp_path / "c.yaml", tiny_config(out))
-    _one_line(capfd, cli.main(["--cf", str(cfg)]), ["is in use by another run", f"PID {holder.p.pid}"])
+    assert _assert_one_line(capfd, cli.main(["--cf", str(cfg)]), ["is in use by another run", f"PID {holder.p.pid}"])
     holder.kill()
     holder.p.wait(10)
     from fedml_fedmitr.fedml_adapter.state import lock_output_dir, release_output_dir
@@ -296,4 +296,4 @@ def test_another_fedml_version_is_one_line(tmp_path, tmp_home, capfd, monkeypatc
     from fedml_fedmitr.fedml_adapter import registry
     monkeypatch.setattr(registry, "installed_fedml_version", lambda: "0.8.18")
     cfg = write_yaml(tmp_path / "c.yaml", tiny_config(tmp_path / "out"))
-    _one_line(capfd, cli.main(["--cf", str(cfg)]), ["supports FedML 0.9.6, found 0.8.18", "pip install fedml==0.9.6"])
+    assert _assert_one_line(capfd, cli.main(["--cf", str(cfg)]), ["supports FedML 0.9.6, found 0.8.18", "pip install fedml==0.9.6"])
