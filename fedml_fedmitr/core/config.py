@@ -5,7 +5,10 @@ accepted range. In a FedML YAML file these keys go in the ``fedmitr_args:`` sect
 value raises :class:`ConfigError` naming the key and what was expected, before any work starts.
 
 Where a default is marked [choice] it is ours, not the paper's (FedMITR's hyperparameters are not
-public); see ``ALGORITHM.md`` of the project docs.
+public, arXiv 2605.10748; SMI's are in Egg-Hu/SMI).
+
+The keys fall into sections (:data:`SECTIONS`: inversion, student, distillation, ensemble,
+screening, generator, output); each server method declares the sections it reads.
 """
 from __future__ import annotations
 
@@ -113,7 +116,7 @@ class FedMITRConfig:
     coboost_mu: float = 0.01            # Co-Boosting ensemble weight step
     fedftg_div_weight: float = 1.0      # FedFTG diversity term
 
-    # ---- run control ----
+    # ---- outputs and reproducibility ----
     seed: Optional[int] = None          # None: take the run's random_seed
     eval_every: int = 0                 # evaluate the student every N distillation epochs (0: end only)
     output_dir: str = "./fedmitr_output"
@@ -121,9 +124,6 @@ class FedMITRConfig:
     progress: bool = True
     tensorboard: bool = False
     save_images: bool = True
-    client_timeout_s: float = 0.0       # 0: wait for every client forever (FedML's behaviour)
-    min_clients: int = 1                # fewest uploads the server proceeds with after a timeout
-    server_lost_s: float = 300.0        # a GRPC client ends (exit 2) once the server's port refused this long; 0: never
 
     def __post_init__(self) -> None:
         self.validate("FedMITRConfig")
@@ -165,7 +165,7 @@ class FedMITRConfig:
             if getattr(self, key) not in options:
                 bad(key, "one of " + ", ".join(repr(o) for o in options))
         positive_ints = ["num_synthetic", "synthesis_batch_size", "inversion_iters", "distill_batch_size",
-                         "gen_nz", "gen_steps", "gen_batch_size", "gen_epochs", "min_clients",
+                         "gen_nz", "gen_steps", "gen_batch_size", "gen_epochs",
                          "screening_images", "screening_iters"]
         for key in positive_ints:
             if getattr(self, key) < 1:
@@ -180,8 +180,7 @@ class FedMITRConfig:
                 bad(key, "a finite number > 0")
         for key in ["tv_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight", "prox_weight",
                     "distill_mixup",
-                    "coboost_eps", "coboost_mu", "fedftg_div_weight", "client_timeout_s", "screening_z",
-                    "server_lost_s"]:
+                    "coboost_eps", "coboost_mu", "fedftg_div_weight", "screening_z"]:
             v = getattr(self, key)
             if not (v >= 0 and math.isfinite(v)):
                 bad(key, "a finite number >= 0")
@@ -256,6 +255,32 @@ class FedMITRConfig:
         fraction the sparse schedule would reach."""
         return self.keep_counts(num_patches)[-1] / num_patches
 
+
+
+# The settings by section. A method declares the sections it reads (ServerMethod.sections); a key of a
+# section the chosen method does not read has no effect, and the CLI says so. A key may serve two
+# sections (screening inverts its probe images in batches of synthesis_batch_size).
+SECTIONS: Dict[str, Tuple[str, ...]] = {
+    "inversion": ("num_synthetic", "synthesis_batch_size", "inversion_iters", "inversion_lr", "inversion_betas",
+                  "tv_weight", "jitter", "flip", "inversion", "prune_at", "prune_fractions", "prune_ratio"),
+    "student": ("student_init", "distill_optimizer", "distill_lr", "distill_weight_decay", "distill_batch_size",
+                "distill_augment"),
+    "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "foreground_target",
+                     "drift_guard", "guard_fraction", "distill_mixup", "prox_weight"),
+    "ensemble": ("ensemble_weighting", "ensemble_aggregate", "trim_fraction", "ensemble_batched"),
+    "screening": ("client_screening", "screening_images", "screening_iters", "screening_z", "screening_min_ratio",
+                  "min_clients_after_screening", "synthesis_batch_size"),
+    "generator": ("gen_nz", "gen_lr", "gen_steps", "gen_batch_size", "gen_epochs", "gen_adv_weight", "gen_kd_steps",
+                  "baseline_kd_temperature", "coboost_temperature", "coboost_eps", "coboost_mu",
+                  "fedftg_div_weight"),
+    "output": ("seed", "eval_every", "output_dir", "resume", "progress", "tensorboard", "save_images"),
+}
+
+
+def section_keys(sections) -> Tuple[str, ...]:
+    """The keys of ``sections`` (names of :data:`SECTIONS`), in field order."""
+    wanted = {k for name in sections for k in SECTIONS[name]}
+    return tuple(f.name for f in fields(FedMITRConfig) if f.name in wanted)
 
 def resolve_augmentation(cfg: FedMITRConfig, image_side: int, client_augment: bool = True,
                          client_flip: bool = True) -> Tuple[int, bool]:

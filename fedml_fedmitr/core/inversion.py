@@ -4,7 +4,7 @@
 batch of images and returns a :class:`SyntheticBatch` (images, labels, keep masks). The pool it
 fills, :class:`SyntheticPool`, is consumed by the distillation loop (``distill.py``).
 
-Per batch (ALGORITHM.md, stage 1): x ~ N(0, 1) in normalised pixel space, Adam on x; at each prune
+Per batch (the paper's stage 1, as SMI does it): x ~ N(0, 1) in normalised pixel space, Adam on x; at each prune
 point the patches are ranked by the ensemble's last-block CLS-to-patch attention (un-augmented
 forward on the kept tokens) and the low-attention ones leave the forward pass and are halted: their
 pixels stay bit-identical to the end. Loss: CE(E(jitter(x) on kept tokens), y) + tv * TV_l2(x).

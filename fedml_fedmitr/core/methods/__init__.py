@@ -30,7 +30,7 @@ def method_names():
 def _load_builtin() -> None:
     from . import fedavg, fedmitr  # noqa: F401  (register themselves)
     try:
-        from . import baselines  # noqa: F401
+        from . import baselines, fedftg  # noqa: F401
     except ImportError:  # baselines module not present yet
         pass
 

@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -116,6 +116,22 @@ class ServerMethod(abc.ABC):
 
     name: str = "?"
     needs_synthesis: bool = True
+    # the sections of FedMITRConfig (config.SECTIONS) this method reads, and the keys it sets itself
+    # (a value given for those has no effect)
+    sections: Tuple[str, ...] = ("ensemble", "screening", "output")
+    forced: Tuple[str, ...] = ()
+
+    @classmethod
+    def used_keys(cls) -> Tuple[str, ...]:
+        """The ``fedmitr_args`` keys that change what this method does."""
+        from ..config import section_keys
+        return tuple(k for k in section_keys(cls.sections) if k not in cls.forced)
+
+    @classmethod
+    def unused_keys(cls, keys) -> List[str]:
+        """Those of ``keys`` that have no effect on this method (another method's settings, or forced)."""
+        used = set(cls.used_keys())
+        return [k for k in keys if k not in used]
 
     def __init__(self, config: Optional[FedMITRConfig] = None):
         self.config = (config or FedMITRConfig()).validate()

@@ -33,29 +33,36 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..client import make_optimizer
 from ..distill import kd_kl
-from ..ensemble import client_weights
 from ..evaluate import evaluate_model
 from ..generator import (
     AdversarialSynthesizer,
     ConditionalGenerator,
-    ConditionalSynthesizer,
     Generator,
     random_shift_flip,
 )
 from . import register_method
 from .base import ServerContext, ServerMethod, ServerResult
+from .baseline_losses import (  # noqa: F401  (re-exported: the losses were defined here)
+    class_level_ensemble,
+    coboost_generator_loss,
+    coboost_weight_step,
+    dense_generator_loss,
+    diversity_loss,
+    fedftg_generator_loss,
+    masked_adversarial_loss,
+    ods_perturb,
+    per_sample_kl,
+    weighted_ensemble,
+)
 
 # ---- constants of the papers that have no config key (yet) ----
 GENERATOR_WIDTH = 64            # ngf of the DENSE generator
-COBOOST_ADV_TEMPERATURE = 3.0   # T of Co-Boosting's adversarial KL
-COBOOST_HARD_POWER = 1.0        # exponent of (1 - p_y) in Co-Boosting's hard-sample CE
 COBOOST_WEIGHT_DECAY_RATE = 0.99  # mu_epoch = coboost_mu * 0.99 ** epoch
-COBOOST_KD_LR = 0.01            # Co-Boosting: SGD, lr 0.01 (ALGORITHM.md), momentum 0.9, cosine
+COBOOST_KD_LR = 0.01            # Co-Boosting: SGD, lr 0.01 (its paper), momentum 0.9, cosine
 COBOOST_KD_MOMENTUM = 0.9
 COBOOST_KD_WEIGHT_DECAY = 1e-4  # Co-Boosting code default
 COBOOST_GRAD_CLIP = 10.0        # Co-Boosting clips generator and student gradients at norm 10
@@ -63,116 +70,6 @@ FEDFTG_KD_STEPS = 5             # FedFTG: I_d = 5 global-model steps per outer i
 FEDFTG_KD_TEMPERATURE = 1.0     # FedFTG fits the ensemble's plain softmax
 
 
-# =============================================================================================
-# Losses (pure functions, tested alone)
-# =============================================================================================
-def per_sample_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor,
-                  temperature: float = 1.0) -> torch.Tensor:
-    """T^2 * KL(softmax(t / T) || softmax(s / T)) for each sample, shape (B,)."""
-    t = temperature
-    return F.kl_div(F.log_softmax(student_logits / t, dim=1), F.softmax(teacher_logits / t, dim=1),
-                    reduction="none").sum(1) * (t * t)
-
-
-def masked_adversarial_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor, where: str,
-                            temperature: float = 1.0) -> torch.Tensor:
-    """-(KL(teacher || student) * mask).mean(): minimising it pushes the generator towards
-    student-teacher disagreement, only on the samples that ``where`` selects:
-    ``disagree`` (DENSE: argmax differ), ``agree`` (FedFTG: argmax equal) or ``all`` (Co-Boosting)."""
-    kl = per_sample_kl(teacher_logits, student_logits, temperature)
-    if where == "all":
-        return -kl.mean()
-    same = teacher_logits.argmax(1) == student_logits.argmax(1)
-    if where == "disagree":
-        mask = ~same
-    elif where == "agree":
-        mask = same
-    else:
-        raise ValueError(f"where = {where!r}: expected 'disagree', 'agree' or 'all'")
-    return -(kl * mask.to(kl.dtype)).mean()
-
-
-def dense_generator_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor, labels: torch.Tensor,
-                         adv_weight: float) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """DENSE: CE(E(G(z)), y) + adv * adversarial KL on disagreeing samples (BN term: 0 for ViTs)."""
-    ce = F.cross_entropy(teacher_logits, labels)
-    adv = masked_adversarial_loss(teacher_logits, student_logits, "disagree")
-    return ce + adv_weight * adv, {"ce": ce.item(), "adv": adv.item()}
-
-
-def coboost_generator_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor, labels: torch.Tensor,
-                           adv_weight: float, hard_power: float = COBOOST_HARD_POWER,
-                           adv_temperature: float = COBOOST_ADV_TEMPERATURE) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """Co-Boosting: mean((1 - p_y)^h * CE) (hard samples weigh more; the weight is not
-    differentiated) + adv * adversarial KL at T = 3 on all samples."""
-    p_y = F.softmax(teacher_logits, dim=1).gather(1, labels.view(-1, 1)).squeeze(1)
-    ce = ((1.0 - p_y.detach()).pow(hard_power) * F.cross_entropy(teacher_logits, labels, reduction="none")).mean()
-    adv = masked_adversarial_loss(teacher_logits, student_logits, "all", adv_temperature)
-    return ce + adv_weight * adv, {"ce": ce.item(), "adv": adv.item()}
-
-
-def diversity_loss(z: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
-    """FedFTG's diversity term exp(-mean_{i,j} d(x_i, x_j) * d(z_i, z_j)), d a mean absolute (images)
-    or mean squared (latents) difference: small when distinct codes give distinct images."""
-    x = images.flatten(1)
-    dx = (x.unsqueeze(0) - x.unsqueeze(1)).abs().mean(2)
-    dz = (z.unsqueeze(0) - z.unsqueeze(1)).pow(2).mean(2)
-    return torch.exp(-(dx * dz).mean())
-
-
-def class_level_ensemble(client_logits: torch.Tensor, alpha: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """FedFTG's teacher for a sample generated for class y: sum_k alpha[k, y] * f_k(x).
-    ``client_logits`` (K, B, C), ``alpha`` (K, C) with columns summing to 1, ``labels`` (B,).
-    (Unlike ``Ensemble.combine``, the weight depends on the sample's label, not the output class.)"""
-    w = alpha[:, labels]                                    # (K, B)
-    return (client_logits * w.unsqueeze(2)).sum(0)
-
-
-def fedftg_generator_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor, labels: torch.Tensor,
-                          images: torch.Tensor, z: torch.Tensor, adv_weight: float,
-                          div_weight: float) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """FedFTG: CE(class-level ensemble, y) + adv * (-KL) on samples where the global model still
-    agrees with the ensemble (hard samples near the boundary) + div * diversity."""
-    ce = F.cross_entropy(teacher_logits, labels)
-    adv = masked_adversarial_loss(teacher_logits, student_logits, "agree")
-    div = diversity_loss(z, images)
-    return ce + adv_weight * adv + div_weight * div, {"ce": ce.item(), "adv": adv.item(), "div": div.item()}
-
-
-def weighted_ensemble(client_logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_k w_k f_k(x) / sum_k w_k for client weights ``weights`` (K,) and logits (K, B, C)."""
-    w = weights / weights.sum().clamp_min(1e-12)
-    return (client_logits * w.view(-1, 1, 1)).sum(0)
-
-
-def coboost_weight_step(weights: torch.Tensor, client_logits: torch.Tensor, labels: torch.Tensor,
-                        mu: float) -> torch.Tensor:
-    """One Co-Boosting step on the client weights: w - mu * sign(dCE(E_w(x), y)/dw), clipped to
-    [0, 1], then renormalised to sum 1 (uniform if all were clipped to 0)."""
-    w = weights.detach().clone().requires_grad_(True)
-    loss = F.cross_entropy(weighted_ensemble(client_logits, w), labels)
-    (grad,) = torch.autograd.grad(loss, w)
-    new = (weights.detach() - mu * grad.sign()).clamp(0.0, 1.0)
-    if float(new.sum()) <= 0:
-        return torch.full_like(new, 1.0 / new.numel())
-    return new / new.sum()
-
-
-def ods_perturb(x: torch.Tensor, teacher_fn, eps: torch.Tensor, temperature: float,
-                gen: torch.Generator) -> torch.Tensor:
-    """Co-Boosting's output-diversified perturbation: x + eps * sign(grad_x (r . softmax(E(x) / T)))
-    for a random direction r ~ U(-1, 1) over the outputs. ``eps`` is per channel, (1, C, 1, 1), in
-    normalised units."""
-    x = x.detach().clone().requires_grad_(True)
-    out = teacher_fn(x)
-    r = (torch.rand(out.shape, generator=gen) * 2.0 - 1.0).to(out.device, out.dtype)
-    (grad,) = torch.autograd.grad((r * F.softmax(out / temperature, dim=1)).sum(), x)
-    return (x + eps * grad.sign()).detach()
-
-
-# =============================================================================================
-# Shared loop
-# =============================================================================================
 class _LoopState:
     """What ``synthesize()`` hands to ``distill()``: the interleaved loop runs in ``distill``."""
 
@@ -189,6 +86,7 @@ class GeneratorBaseline(ServerMethod):
 
     generator_width: int = GENERATOR_WIDTH
     progress_name = "generator synthesis + KD"
+    sections = ServerMethod.sections + ("student", "generator")
 
     # ---- life cycle ----
     def run(self, uploads, ctx: ServerContext) -> ServerResult:
@@ -449,71 +347,4 @@ class CoBoosting(GeneratorBaseline):
             self.kd_opt.step()
             total += loss.item() / len(batches)
         self.kd_sched.step()
-        return {"loss": total}
-
-
-# =============================================================================================
-# FedFTG
-# =============================================================================================
-@register_method
-class FedFTG(GeneratorBaseline):
-    """FedFTG's server fine-tuning used once: a conditional generator and class-level ensemble.
-
-    One epoch is one outer iteration of FedFTG's server loop: ``gen_steps`` generator steps, then
-    ``gen_kd_steps`` (default 5, FedFTG's I_d) global-model steps, each on a fresh generated batch."""
-
-    name = "FedFTG"
-
-    def setup(self, ctx: ServerContext) -> None:
-        cfg = self.config
-        counts = [u.label_counts for u in self.uploads]
-        # alpha[k, y] = n[k, y] / sum_j n[j, y], FedFTG's class-level ensemble weights
-        self.alpha = client_weights("per_class", [u.num_samples for u in self.uploads], counts,
-                                    ctx.num_classes).to(ctx.device)
-        label_totals = torch.tensor([[float(c) for c in row] for row in counts]).sum(0)
-
-        def loss_fn(images, labels, z):
-            teacher = self.teacher(images, labels)
-            return fedftg_generator_loss(teacher, self.student(images), labels, images, z,
-                                         cfg.gen_adv_weight, cfg.fedftg_div_weight)
-
-        self.synthesizer = ConditionalSynthesizer(self._new_generator(ctx, conditional=True), loss_fn,
-                                                  label_totals, cfg.gen_batch_size, cfg.gen_steps, cfg.gen_lr,
-                                                  ctx.device)
-        self.kd_opt = make_optimizer(self.student.parameters(), cfg.distill_optimizer, cfg.distill_lr,
-                                     cfg.distill_weight_decay)
-        self._last_batch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-
-    def teacher(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return class_level_ensemble(self.ensemble.client_logits(x), self.alpha, labels)
-
-    def images_so_far(self) -> int:
-        return self.synthesizer.generated
-
-    def synthesis_epoch(self, epoch: int, ctx: ServerContext) -> Dict[str, Any]:
-        return self.synthesizer.synthesize(self._seed(ctx, epoch, 0))
-
-    def last_images(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        return self._last_batch
-
-    def kd_epoch(self, epoch: int, ctx: ServerContext) -> Dict[str, float]:
-        cfg = self.config
-        gen = torch.Generator().manual_seed(self._seed(ctx, epoch, 1))
-        steps = cfg.gen_kd_steps or FEDFTG_KD_STEPS
-        total = 0.0
-        for _ in range(steps):
-            t = time.perf_counter()
-            x, y = self.synthesizer.sample(cfg.distill_batch_size, gen)
-            _sync(ctx.device)
-            spent = time.perf_counter() - t        # sampling is synthesis time
-            self._synth_s += spent
-            self._kd_s -= spent
-            with torch.no_grad():
-                teacher = self.teacher(x, y)
-            loss = kd_kl(teacher, self.student(x), FEDFTG_KD_TEMPERATURE)
-            self.kd_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.kd_opt.step()
-            total += loss.item() / steps
-        self._last_batch = (x.detach().cpu(), y.detach().cpu())
         return {"loss": total}

@@ -12,6 +12,7 @@ from .base import ServerContext, ServerMethod
 class OneShotFedAvg(ServerMethod):
     name = "OneShotFedAvg"
     needs_synthesis = False
+    forced = ("student_init",)   # always the average, whatever student_init says
 
     def synthesize(self, ctx: ServerContext):
         return None

@@ -1,7 +1,8 @@
 """FedMITR: sparse model inversion (stage 1) + token relabel distillation (stage 2).
 
 Also the DeepInversion baseline, which is the same pipeline with dense inversion and plain KD on
-full images at the DeepInversion/DENSE temperature.
+full images at the DeepInversion/DENSE temperature, and the three ablations: each a subclass that
+fixes the keys it names in ``forced``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class FedMITR(ServerMethod):
     after every distillation epoch (under ``ctx.state_dir``); ``resume: true`` continues from them."""
 
     name = "FedMITR"
+    sections = ServerMethod.sections + ("inversion", "student", "distillation")
 
     def _state_path(self, ctx: ServerContext, name: str):
         return None if ctx.state_dir is None else ctx.state_dir / f"{self.name}_{name}"
@@ -99,24 +101,52 @@ def _set_rng_state(state: Optional[dict]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _variant(name: str, doc: str, **overrides):
-    """A registered FedMITR variant whose config keys ``overrides`` are forced."""
+@register_method
+class DeepInversion(FedMITR):
+    """DeepInversion for ViTs: dense inversion of the ensemble + KL distillation on full images at
+    ``baseline_kd_temperature`` (20 in the SMI/DENSE code)."""
+
+    name = "DeepInversion"
+    forced = ("inversion", "distill_mode", "kd_temperature", "relabel_weight", "foreground_target")
+
     def __init__(self, config: Optional[FedMITRConfig] = None):
         cfg = config or FedMITRConfig()
-        values = {k: (getattr(cfg, v[1:]) if isinstance(v, str) and v.startswith("@") else v)
-                  for k, v in overrides.items()}
-        FedMITR.__init__(self, cfg.replace(**values))
-    cls = type(name.replace("-", "_"), (FedMITR,), {"name": name, "__doc__": doc, "__init__": __init__})
-    return register_method(cls)
+        super().__init__(cfg.replace(inversion="dense", distill_mode="kd_full",
+                                     kd_temperature=cfg.baseline_kd_temperature))
+
+    @classmethod
+    def used_keys(cls):
+        return super().used_keys() + ("baseline_kd_temperature",)
 
 
-DeepInversion = _variant(
-    "DeepInversion", "DeepInversion for ViTs: dense inversion of the ensemble + KL distillation on "
-    "full images at baseline_kd_temperature (20 in the SMI/DENSE code).",
-    inversion="dense", distill_mode="kd_full", kd_temperature="@baseline_kd_temperature")
-FedMITRDense = _variant("FedMITR-dense", "Ablation: dense inversion + token relabel (mask from attention).",
-                        inversion="dense")
-FedMITRKD = _variant("FedMITR-kd", "Ablation: sparse inversion + plain KD on full images.",
-                     distill_mode="kd_full")
-FedMITRCE = _variant("FedMITR-ce", "Ablation: sparse inversion + CE on the foreground tokens only.",
-                     distill_mode="ce_foreground")
+@register_method
+class FedMITRDense(FedMITR):
+    """Ablation: dense inversion + token relabel (mask from attention)."""
+
+    name = "FedMITR-dense"
+    forced = ("inversion",)   # the prune schedule still sizes the foreground of the masks
+
+    def __init__(self, config: Optional[FedMITRConfig] = None):
+        super().__init__((config or FedMITRConfig()).replace(inversion="dense"))
+
+
+@register_method
+class FedMITRKD(FedMITR):
+    """Ablation: sparse inversion + plain KD on full images."""
+
+    name = "FedMITR-kd"
+    forced = ("distill_mode", "relabel_weight", "foreground_target")
+
+    def __init__(self, config: Optional[FedMITRConfig] = None):
+        super().__init__((config or FedMITRConfig()).replace(distill_mode="kd_full"))
+
+
+@register_method
+class FedMITRCE(FedMITR):
+    """Ablation: sparse inversion + CE on the foreground tokens only."""
+
+    name = "FedMITR-ce"
+    forced = ("distill_mode", "relabel_weight", "kd_temperature", "foreground_target")
+
+    def __init__(self, config: Optional[FedMITRConfig] = None):
+        super().__init__((config or FedMITRConfig()).replace(distill_mode="ce_foreground"))
