@@ -72,9 +72,9 @@ def check_processes(sections, flat) -> None:
     from .core.config import ConfigError
 
     k = flat.client_num_in_total
-    fcfg = (sections.get("fedmitr_args") or {})
-    min_clients = fcfg.get("min_clients", 1)
-    if isinstance(min_clients, int) and min_clients > k:
+    run = flat.fedmitr_settings.run
+    min_clients = run.min_clients
+    if min_clients > k:
         raise ConfigError(f"fedmitr_args.min_clients = {min_clients} is more than train_args.client_num_in_total = "
                           f"{k}: expected at most {k}")
     t, backend = getattr(flat, "training_type", None), getattr(flat, "backend", None)
@@ -93,7 +93,7 @@ def check_processes(sections, flat) -> None:
             raise ConfigError(f"mpirun started {size} processes (1 server + {size - 1} clients) but "
                               f"train_args.client_num_in_total = {k}: every client process must train at least one "
                               f"client (use mpirun -n {k + 1} or fewer, or raise client_num_in_total)")
-    timeout = fcfg.get("client_timeout_s", 0) or 0
+    timeout = run.client_timeout_s
     if timeout and (t == "cross_silo" or backend == "MPI") and backend not in ("GRPC", "MPI"):
         raise ConfigError(f"fedmitr_args.client_timeout_s = {timeout!r} needs comm_args.backend GRPC or MPI "
                           f"(got {backend!r}); set it to 0 to wait for every client")
@@ -108,15 +108,15 @@ def validate(path: str):
 
 def validate_sections(sections, path: str):
     """:func:`validate` of already loaded YAML sections (``path`` names the file in messages)."""
-    from .core.config import ConfigError, FedMITRConfig
-    from .core.methods import method_names
+    from .core.config import ConfigError
+    from .core.methods import get_method, method_names
     from .fedml_adapter.config import (
+        ADAPTER_KEYS,
         check_data_args,
         check_model_args,
         check_run_args,
-        client_train_config,
-        fedmitr_section,
         flatten,
+        settings_from,
     )
     from .fedml_adapter.run_checks import check_run_keys, check_unapplied
 
@@ -127,16 +127,20 @@ def validate_sections(sections, path: str):
         raise ConfigError(f"train_args.federated_optimizer = {name!r} is not a one-shot method of "
                           f"fedml_fedmitr: expected one of {', '.join(names)} (FedML's own optimizers run "
                           "with FedML's own main.py)")
-    FedMITRConfig.from_dict(fedmitr_section(sections, path), where="fedmitr_args")
+    # the plugin's settings, read and validated once here and handed down (flat.fedmitr_settings)
+    settings = flat.fedmitr_settings = settings_from(sections, flat, path)
     check_unapplied(sections)
     from .fedml_adapter.grpc_security import security_from
-    security_from(sections.get("fedmitr_args"))   # the token and the certificate files, up front
+    security_from(settings.adapter)   # the token and the certificate files, up front
+    log = logging.getLogger("fedml_fedmitr")
     unknown = check_run_keys(sections, path)
     if unknown:
-        logging.getLogger("fedml_fedmitr").warning(
-            "fedml_fedmitr: warning: %s in %s: not a setting FedML or fedml_fedmitr reads, no effect (list it in "
-            "fedmitr_args.custom_keys if it is your own)", ", ".join(unknown), path)
-    client_train_config(flat)
+        log.warning("fedml_fedmitr: warning: %s in %s: not a setting FedML or fedml_fedmitr reads, no effect (list "
+                    "it in fedmitr_args.custom_keys if it is your own)", ", ".join(unknown), path)
+    unused = get_method(name).unused_keys([k for k in settings.given if k not in ADAPTER_KEYS])
+    if unused:
+        log.warning("fedml_fedmitr: warning: fedmitr_args %s in %s: not read by %s, no effect (settings of "
+                    "another method)", ", ".join(unused), path, name)
     check_run_args(flat)
     check_data_args(flat)
     check_model_args(flat)
@@ -157,11 +161,10 @@ def preflight(sections, flat) -> str:
     partition (:func:`fedml_fedmitr.data.preflight`), and a writable ``output_dir`` (returned, resolved).
     Still FedML-free."""
     from .data import preflight as data_preflight
-    from .fedml_adapter.config import check_output_dir, read_fedmitr_config
+    from .fedml_adapter.config import check_output_dir
 
     data_preflight(flat, class_num_key=_section_of(sections, "class_num", "data_args"))
-    out_dir = read_fedmitr_config(SimpleNamespace(yaml_config_file="",
-                                                  fedmitr_args=sections.get("fedmitr_args") or {})).output_dir
+    out_dir = flat.fedmitr_settings.method.output_dir
     check_output_dir(out_dir, create=True)
     check_gpu(sections, flat)
     return out_dir
@@ -208,7 +211,7 @@ def _run(cmd) -> int:
     except ValueError:   # not the main thread (an embedding program): its own handling stays
         pass
     try:
-        from .fedml_adapter.registry import check_fedml_version
+        from .fedml_adapter.fedml_patches import check_fedml_version
         check_fedml_version()
         sections, flat = validate(cmd.yaml_config_file)
         locked_dir = preflight(sections, flat)
@@ -228,10 +231,8 @@ def _run(cmd) -> int:
     import fedml
     from fedml.arguments import Arguments
 
-    from .fedml_adapter.config import read_fedmitr_config
-    from .fedml_adapter.registry import register
+    from .fedml_adapter.fedml_patches import offline_fetch_config_installed
 
-    register()  # runner routing + offline fetch_config (only while using_mlops is false)
     if cmd.role is None:
         cmd.role = "server" if cmd.rank == 0 else "client"
     cmd.using_mlops = False
@@ -242,12 +243,14 @@ def _run(cmd) -> int:
     backend = getattr(args, "backend", None)
     mpi = backend == "MPI"
     distributed = mpi or getattr(args, "training_type", None) == "cross_silo"
-    out_dir = read_fedmitr_config(args).output_dir
+    settings = flat.fedmitr_settings
+    out_dir = settings.method.output_dir
     rank = cmd.rank if env_rank is None else env_rank
     if rank == 0:
         _clear_error(out_dir)
     try:
-        args = fedml.init(args, check_env=bool(getattr(args, "using_mlops", False)))
+        with offline_fetch_config_installed():   # no call to FedML's cloud while using_mlops is false
+            args = fedml.init(args, check_env=bool(getattr(args, "using_mlops", False)))
         rank = int(getattr(args, "rank", rank) or 0)
         for key in ("gpu_mapping_file", "gpu_mapping_key"):  # FedML's MPI device lookup reads both
             if not hasattr(args, key):
@@ -258,7 +261,8 @@ def _run(cmd) -> int:
 
         dataset, output_dim = load_data(args)
         model = create_model(args, output_dim)
-        fedml.FedMLRunner(args, device, dataset, model).run()
+        from .fedml_adapter.runner import FedMITRRunner
+        FedMITRRunner(args, device, dataset, model, settings=settings).run()
     except USER_ERRORS as exc:
         code = report_user_error(exc, out_dir=out_dir, rank=rank)
         _abort_mpi(mpi, code)

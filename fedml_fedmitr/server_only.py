@@ -78,7 +78,7 @@ def _apply(sections, cmd) -> None:
 
 def run(cmd) -> int:
     from .cli import EXIT_FAILURE, _set_threads, preflight, report_user_error, validate_sections, write_error
-    from .fedml_adapter.config import fedmitr_section, load_yaml
+    from .fedml_adapter.config import load_yaml
     from .fedml_adapter.errors import USER_ERRORS
 
     out_dir = None
@@ -86,14 +86,12 @@ def run(cmd) -> int:
         sections = load_yaml(cmd.yaml_config_file)
         uploads_default_dir = (sections.get("fedmitr_args") or {}).get("output_dir", "./fedmitr_output")
         _apply(sections, cmd)
-        _, flat = validate_sections(sections, cmd.yaml_config_file)
+        _, flat = validate_sections(sections, cmd.yaml_config_file)   # reads the settings, once
         preflight(sections, flat)
-        from .core.config import FedMITRConfig
-        cfg = FedMITRConfig.from_dict(fedmitr_section(sections, cmd.yaml_config_file))
-        out_dir = cfg.output_dir
+        out_dir = flat.fedmitr_settings.method.output_dir
         _set_threads(flat)
         uploads = cmd.uploads or os.path.join(os.path.expanduser(str(uploads_default_dir)), "state", "uploads.pt")
-        return _serve(flat, cfg, uploads, cmd.yaml_config_file)
+        return _serve(flat, uploads, cmd.yaml_config_file)
     except USER_ERRORS as exc:
         return report_user_error(exc, out_dir=out_dir, rank=0)
     except Exception as exc:
@@ -103,11 +101,10 @@ def run(cmd) -> int:
         return EXIT_FAILURE
 
 
-def _serve(flat, cfg, uploads: str, yaml_path: str) -> int:
+def _serve(flat, uploads: str, yaml_path: str) -> int:
     import torch
 
     from .data import load_data
-    from .fedml_adapter.config import client_train_config
     from .fedml_adapter.model import create_model
     from .fedml_adapter.runner import aggregate_saved_uploads
     from .fedml_adapter.state import load_uploads
@@ -116,7 +113,7 @@ def _serve(flat, cfg, uploads: str, yaml_path: str) -> int:
     load_uploads(uploads)  # a clear error before the data and model are built
     args = flat
     args.yaml_config_file = yaml_path
-    args.fedmitr_config = cfg
+    settings = flat.fedmitr_settings
     args.rank = 0
     use_gpu = bool(getattr(args, "using_gpu", False)) and torch.cuda.is_available()
     device = torch.device(f"cuda:{int(getattr(args, 'gpu_id', 0) or 0)}" if use_gpu else "cpu")
@@ -125,11 +122,11 @@ def _serve(flat, cfg, uploads: str, yaml_path: str) -> int:
     model = create_model(args, class_num)
     from .fedml_adapter.aggregator import FedMITRServerAggregator
 
-    aggregator = FedMITRServerAggregator(model, args, fedmitr_config=cfg, device=device, test_data=dataset[3],
-                                         train_config=client_train_config(args))
+    aggregator = FedMITRServerAggregator(model, args, settings=settings, device=device, test_data=dataset[3])
     aggregator.set_id(0)
-    log.info("server only: %s on the uploads %s, results in %s", args.federated_optimizer, uploads, cfg.output_dir)
-    aggregate_saved_uploads(aggregator, uploads, dataset[3], device, args, check_settings=False)
+    log.info("server only: %s on the uploads %s, results in %s", args.federated_optimizer, uploads,
+             settings.method.output_dir)
+    aggregate_saved_uploads(aggregator, uploads, args, check_settings=False)
     return 0
 
 

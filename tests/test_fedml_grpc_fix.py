@@ -10,7 +10,7 @@ SCRIPT = textwrap.dedent(r'''
     import sys, threading, time
     from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
     from fedml.core.distributed.communication.message import Message
-    from fedml_fedmitr.fedml_adapter import comm_fix
+    from fedml_fedmitr.fedml_adapter import fedml_patches
 
     csv, seconds = sys.argv[1], float(sys.argv[2])
 
@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(r'''
         return used["cpu"]
 
     unfixed = idle_cpu(1)
-    comm_fix.apply_grpc_fix()
+    fedml_patches.fix_grpc_loop()
     fixed = idle_cpu(2)
     print(f"CPU {unfixed:.3f} {fixed:.3f}")
 ''')

@@ -1,6 +1,7 @@
 """The stock FedML path: a user's main.py (fedml.init, get_device, their own dataset and timm
 ViT, FedMLRunner(...).run()) gains federated_optimizer: FedMITR by ``import fedml_fedmitr``;
-the registration patches only FedMLRunner's two _init_*_runner methods; a model that is not a
+the registration (at import when FedML is imported, else by fedml_fedmitr.register()) patches only
+FedMLRunner's two _init_*_runner methods; a model that is not a
 class-token ViT is refused with a clear message; the core never imports FedML."""
 from __future__ import annotations
 
@@ -32,16 +33,26 @@ REGISTRATION = textwrap.dedent(r'''
     import fedml_fedmitr.core.methods, fedml_fedmitr.core.client, fedml_fedmitr.data
     import fedml_fedmitr.fedml_adapter.config
     assert "fedml" not in sys.modules, "importing the plugin or its core imported fedml"
-    assert any(type(f).__name__ == "_FedMLImportHook" for f in sys.meta_path)
+    assert not any("fedml" in type(f).__module__ for f in sys.meta_path if hasattr(f, "find_spec")), "an import hook"
 
-    import fedml  # the import hook registers the plugin now
+    import fedml
     from fedml.runner import FedMLRunner
     import fedml.core.mlops as mlops
-    assert not any(type(f).__name__ == "_FedMLImportHook" for f in sys.meta_path)
+    # imported before FedML, the plugin patched nothing; the explicit call registers it
+    assert getattr(FedMLRunner._init_simulation_runner, "__fedmitr_original__", None) is None
+    fedml_fedmitr.register()
     for name in ("_init_simulation_runner", "_init_cross_silo_runner"):
         assert getattr(getattr(FedMLRunner, name), "__fedmitr_original__", None) is not None, name
     assert getattr(mlops.fetch_config, "__fedmitr_offline__", False)
     assert FedMLRunner.run.__module__ == "fedml.runner"  # nothing else patched
+
+    # the offline fetch_config serves the plugin's runs only: FedAvg (or using_mlops) gets FedML's own
+    from fedml_fedmitr.fedml_adapter import fedml_patches
+    fedml_patches._ORIGINAL_FETCH_CONFIG = lambda a, version="release": "FedML's own"
+    assert mlops.fetch_config(SimpleNamespace(using_mlops=False, federated_optimizer="FedAvg")) == "FedML's own"
+    assert mlops.fetch_config(SimpleNamespace(using_mlops=True, federated_optimizer="FedMITR")) == "FedML's own"
+    plugin_args = SimpleNamespace(using_mlops=False, federated_optimizer="FedMITR", rank=0)
+    assert mlops.fetch_config(plugin_args) is False and plugin_args.os_name
 
     # a FedML name still goes to FedML's own code (here: its "no such backend" error)
     try:

@@ -5,7 +5,7 @@ import torch
 from PIL import Image
 from torchvision.transforms.functional import pil_to_tensor
 
-from fedml_fedmitr.report import (
+from fedml_fedmitr.core.report import (
     ReportCallbacks,
     denormalise,
     overlay_masks,

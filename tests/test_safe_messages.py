@@ -78,11 +78,11 @@ RECEIVER = textwrap.dedent(r'''
     from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_comm_manager_pb2_grpc
     from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
     from fedml.core.distributed.communication.message import Message
-    from fedml_fedmitr.fedml_adapter import comm_fix
+    from fedml_fedmitr.fedml_adapter import fedml_patches
 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)
     csv, port, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    comm_fix.apply_grpc_fix()
+    fedml_patches.fix_grpc_loop()
 
     class Evil:
         def __reduce__(self):
@@ -168,7 +168,7 @@ AUTH_RECEIVER = textwrap.dedent(r'''
     from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2, grpc_comm_manager_pb2_grpc
     from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
     from fedml.core.distributed.communication.message import Message
-    from fedml_fedmitr.fedml_adapter import comm_fix
+    from fedml_fedmitr.fedml_adapter import fedml_patches
     from fedml_fedmitr.fedml_adapter.grpc_security import GrpcSecurity, security_from
 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)
@@ -176,7 +176,7 @@ AUTH_RECEIVER = textwrap.dedent(r'''
     section = {"auth_token": "a-shared-secret-of-some-length"}
     if mode == "tls":
         section.update(tls_cert_file=sys.argv[4], tls_key_file=sys.argv[5], tls_ca_file=sys.argv[4])
-    comm_fix.apply_all("GRPC", security_from(section))
+    fedml_patches.fix_receive_loops("GRPC", security_from(section))
 
     class Observer:
         def __init__(self):

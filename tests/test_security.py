@@ -243,8 +243,8 @@ def test_ipconfig_without_this_rank_or_a_served_port_is_refused(tmp_path):
     # a FedML GRPC server already on rank 0's port (grpc would share it through SO_REUSEPORT)
     from fedml.core.distributed.communication.grpc.grpc_comm_manager import GRPCCommManager
 
-    from fedml_fedmitr.fedml_adapter import comm_fix, grpc_security
-    comm_fix.apply_all("GRPC", grpc_security.GrpcSecurity())
+    from fedml_fedmitr.fedml_adapter import fedml_patches, grpc_security
+    fedml_patches.fix_receive_loops("GRPC", grpc_security.GrpcSecurity())
     first = GRPCCommManager(str(csv), client_rank=0, client_num=1)
     try:
         with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{ports[0]}"):
@@ -270,7 +270,7 @@ def test_ctrl_c_and_sigterm_end_with_one_line(sig, code, word, tmp_path, tmp_hom
 def test_a_rank_heard_from_one_host_is_refused_from_another():
     from types import SimpleNamespace
 
-    from fedml_fedmitr.fedml_adapter.comm_fix import _check_sender_host
+    from fedml_fedmitr.fedml_adapter.fedml_patches import _check_sender_host
     from fedml_fedmitr.fedml_adapter.safe_pickle import RefusedMessage
     manager = SimpleNamespace()
     _check_sender_host(manager, 1, "ipv4:10.0.0.5:40001 (claims client_1)")
@@ -293,7 +293,7 @@ def test_resume_without_saved_state_says_so(tmp_path, tmp_home, capfd):
 
 
 def test_another_fedml_version_is_one_line(tmp_path, tmp_home, capfd, monkeypatch):
-    from fedml_fedmitr.fedml_adapter import registry
-    monkeypatch.setattr(registry, "installed_fedml_version", lambda: "0.8.18")
+    from fedml_fedmitr.fedml_adapter import fedml_patches
+    monkeypatch.setattr(fedml_patches, "installed_fedml_version", lambda: "0.8.18")
     cfg = write_yaml(tmp_path / "c.yaml", tiny_config(tmp_path / "out"))
     assert _assert_one_line(capfd, cli.main(["--cf", str(cfg)]), ["supports FedML 0.9.6, found 0.8.18", "pip install fedml==0.9.6"])

@@ -1,13 +1,13 @@
 """The server side as a FedML ``ServerAggregator``: one-shot aggregation with a core method.
 
 ``aggregate(model_list)`` receives FedML's ``[(sample_num, params), ...]`` where each ``params``
-is a client trainer's payload dict (one or several client uploads), turns them into
-:class:`~fedml_fedmitr.core.methods.base.ClientUpload` objects and runs
-``get_method(args.federated_optimizer)(fedmitr_config).run(uploads, ctx)``. It then measures each
-client's own model on the server's test set (``client_test_acc``), writes
-``<output_dir>/global_model.pt`` (:func:`fedml_fedmitr.core.models.save_global_model`; rebuild it
-with :func:`fedml_fedmitr.load_global_model`) and ``<output_dir>/summary.json``, and returns the
-global state_dict, which FedML sends to every client.
+is a client trainer's payload dict (one or several client uploads), turns them into checked
+:class:`~fedml_fedmitr.core.methods.base.ClientUpload` objects (a bad one drops its client), saves
+them (``state/uploads.pt``), builds the :class:`~fedml_fedmitr.core.methods.base.ServerContext` and
+runs the core's one pipeline, :func:`fedml_fedmitr.core.server.run_one_shot` (the method, each
+client's own accuracy, ``global_model.pt`` and ``summary.json``). It returns the global
+state_dict, which FedML sends to every client. :func:`finish_round` is FedML's end of the round
+around it (hooks, set the model, test), written once for every mode.
 
 FedML's default ``on_before_aggregation`` / ``on_after_aggregation`` (differential privacy,
 attacks and defences, FHE) expect state dicts, not one-shot payloads: they are passed through
@@ -16,10 +16,8 @@ unchanged here.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -27,12 +25,11 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from fedml.core import ServerAggregator
 
-from ..core.checkpoint import write_text
 from ..core.evaluate import evaluate_model
-from ..core.methods import get_method
 from ..core.methods.base import ClientUpload, ServerContext
-from ..core.models import ModelError, load_state_checked, save_global_model
-from ..report import ReportCallbacks, plot_label_distribution
+from ..core.models import ModelError, load_state_checked
+from ..core.report import ReportCallbacks
+from ..core.server import RunInfo, run_one_shot
 from . import state as saved_state
 from .checks import check_upload
 from .errors import ClientFailure, UserError, one_line
@@ -41,8 +38,6 @@ from .trainer import PAYLOAD_KEY, _cpu_state
 
 log = logging.getLogger("fedml_fedmitr")
 
-SUMMARY_NAME = "summary.json"
-CHECKPOINT_NAME = "global_model.pt"
 
 
 def estimate_mean_std(loader, channels: int):
@@ -63,25 +58,31 @@ def estimate_mean_std(loader, channels: int):
     return mean.tolist(), std.tolist()
 
 
-def _resolved_settings(cfg, train_config, model) -> Dict[str, Any]:
-    """The prune points, keep counts and inversion augmentation the defaults resolved to."""
-    from ..core.config import resolve_augmentation
-    side = int(model.patch_embed.img_size[0])
-    n = int(model.patch_embed.num_patches)
-    jitter, flip = resolve_augmentation(cfg, side, bool(train_config.augment), bool(train_config.flip))
-    points = cfg.prune_iterations()
-    return {"prune_iterations": points, "keep_counts": cfg.keep_counts(n) if points else [],
-            "num_patches": n, "inversion_jitter": jitter, "flip": flip}
+def finish_round(aggregator, model_list, test=None):
+    """FedML's end of a round, for every mode: the before-aggregation hook, the one-shot
+    aggregation, the after-aggregation hook, the global model set and tested (``test``: FedML's own
+    test call of the caller, by default the aggregator's test on its test set). Returns the state."""
+    model_list, _ = aggregator.on_before_aggregation(model_list)
+    state = aggregator.aggregate(model_list)
+    state = aggregator.on_after_aggregation(state)
+    aggregator.set_model_params(state)
+    if test is None:
+        aggregator.test(aggregator.test_data, aggregator._device(), aggregator.args)
+    else:
+        test()
+    return state
 
 
 class FedMITRServerAggregator(ServerAggregator):
-    def __init__(self, model, args, fedmitr_config=None, device=None, test_data=None,
-                 start_time: Optional[float] = None, train_config=None):
+    def __init__(self, model, args, settings=None, device=None, test_data=None,
+                 start_time: Optional[float] = None):
         super().__init__(model, args)
-        from .config import client_train_config, read_fedmitr_config
+        from .config import read_fedmitr_config, read_settings
 
-        self.fedmitr_config = fedmitr_config or read_fedmitr_config(args)
-        self.train_config = train_config or client_train_config(args)
+        self.settings = settings or read_settings(args)
+        self.fedmitr_config = read_fedmitr_config(args) if settings is None else settings.method
+        self.train_config = self.settings.client
+        self.min_clients = int(self.settings.run.min_clients)
         self.method_name = args.federated_optimizer
         self.device = device
         self.test_data = test_data
@@ -215,13 +216,13 @@ class FedMITRServerAggregator(ServerAggregator):
     def aggregate(self, raw_client_model_or_grad_list):
         self.refused_clients = {}
         uploads = self.uploads_from(raw_client_model_or_grad_list)
-        if self.refused_clients and len(uploads) < max(1, int(self.fedmitr_config.min_clients)):
+        if self.refused_clients and len(uploads) < max(1, int(self.min_clients)):
             if uploads:
                 self.save_received()   # the good uploads are kept (server_only can use them)
             raise ClientFailure(f"{len(self.refused_clients)} client upload(s) refused ("
                                 + "; ".join(f"client {c}: {r}" for c, r in self.refused_clients.items())
                                 + f"), {len(uploads)} left: fewer than fedmitr_args.min_clients = "
-                                f"{self.fedmitr_config.min_clients}",
+                                f"{self.min_clients}",
                                 details={"clients_refused": dict(self.refused_clients)})
         expected = int(getattr(self.args, "client_num_in_total", len(uploads)))
         if len(uploads) != expected:
@@ -232,147 +233,29 @@ class FedMITRServerAggregator(ServerAggregator):
         self.save_received()  # before the long work: a killed server resumes from them, no client needed
         ctx = self.context()
         self.check_saved_state(uploads, ctx)
-        method = get_method(self.method_name)(self.fedmitr_config)
-        result = method.run(uploads, ctx)
-        self.result = result
-        global_model = result.model
-        state = _cpu_state(global_model)
-        self.model.load_state_dict(state)
+        outcome = run_one_shot(uploads, ctx, self.fedmitr_config, self.run_info())
+        self.result, self.summary = outcome.result, outcome.summary
+        self.model.load_state_dict(outcome.state)
+        return outcome.state
 
-        client_acc = []
-        if ctx.eval_loader is not None:
-            probe = ctx.model_fn().to(ctx.device)
-            for upload in uploads:
-                load_state_checked(probe, upload.state_dict, f"the model of client {upload.client_id}")
-                client_acc.append(evaluate_model(probe, ctx.eval_loader, ctx.device, ctx.num_classes)["acc"])
-            del probe
-        self.write_outputs(uploads, result.metrics, client_acc)
-        return state
-
-    def write_outputs(self, uploads, metrics: Dict[str, Any], client_acc: List[float]) -> Dict[str, Any]:
-        cfg = self.fedmitr_config
-        out = Path(cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = model_meta(self.model, self.args)
-        info = getattr(self.args, "fedmitr_data_info", None)
+    def run_info(self) -> RunInfo:
+        """What the summary records about this FedML run (the core writes it)."""
+        args, info = self.args, getattr(self.args, "fedmitr_data_info", None)
+        meta = model_meta(self.model, args)
         if info is not None:
             meta.update(mean=info.mean, std=info.std, dataset=info.name)
-        ckpt = out / CHECKPOINT_NAME
-        save_global_model(ckpt, self.model, meta)
-
-        timings = dict(metrics.get("timings", {}))
-        train_s = getattr(self, "train_seconds", []) or [0.0]
-        summary: Dict[str, Any] = {
-            "optimizer": self.method_name,
-            "dataset": getattr(self.args, "dataset", None),
-            "client_num": len(uploads),
-            "client_ids": [u.client_id for u in uploads],
-            "client_num_samples": [u.num_samples for u in uploads],
-            "partition": {
-                "method": info.partition_method if info is not None else getattr(self.args, "partition_method", None),
-                "alpha": info.partition_alpha if info is not None else getattr(self.args, "partition_alpha", None),
-                "classes_per_client": (info.classes_per_client if info is not None
-                                       else getattr(self.args, "classes_per_client", None)),
-                "label_counts": [u.label_counts for u in uploads],
-            },
-            "test_acc": metrics.get("test_acc"),
-            "ensemble_acc": metrics.get("ensemble_acc"),
-            "client_test_acc": client_acc,
-            "num_synthetic": metrics.get("num_synthetic", 0),
-            "timings": {
-                # clients train in parallel in a real federation: local_train_s is the slowest
-                # client's training time; local_train_s_sum adds them all up
-                "local_train_s": max(train_s),
-                "local_train_s_sum": sum(train_s),
-                "synthesis_s": timings.get("synthesis_s"),
-                "distill_s": timings.get("distill_s"),
-                "server_s": timings.get("server_total_s"),
-                # wall time on the server from the runner's start to the end of aggregation
-                "total_s": time.perf_counter() - self.start_time,
-            },
-            "metrics": {k: v for k, v in metrics.items() if k != "timings"},
-            "device": str(self._device()),
-            "backend": getattr(self.args, "backend", None),
-            "training_type": getattr(self.args, "training_type", None),
-            "random_seed": getattr(self.args, "random_seed", None),
-            "checkpoint": str(ckpt),
-            "model": meta,
-            "config": {
-                "fedmitr_args": cfg.to_dict(),
-                "train_args": {k: getattr(self.train_config, k) for k in
-                               ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "momentum",
-                                "augment", "flip", "label_smoothing")},
-                "data": info.to_dict() if info is not None else None,
-                # what the automatic settings resolved to for this run
-                "resolved": _resolved_settings(cfg, self.train_config, self.model),
-                "yaml_config_file": getattr(self.args, "yaml_config_file", None),
-            },
-        }
-        summary["per_class_acc"] = {"global": metrics.get("per_class_acc"),
-                                    "ensemble": metrics.get("ensemble_per_class_acc")}
-        screening = metrics.get("screening")
-        # clients the poisoned-upload screen (fedmitr_args.client_screening) left out, with the reason
-        summary["screening"] = screening
-        summary["clients_dropped"] = dict(screening["dropped"]) if screening else {}
-        summary["clients_dropped"].update({c: f"upload refused: {r}" for c, r in (self.refused_clients or {}).items()})
-        summary["pictures"] = self.write_pictures(out, uploads)
-        callbacks = getattr(self, "callbacks", None)
-        if callbacks is not None:
-            callbacks.scalars({k: summary[k] for k in ("test_acc", "ensemble_acc", "client_test_acc",
-                                                       "num_synthetic", "timings", "per_class_acc")})
-            callbacks.close()
-        summary.update(self.summary_extra())  # expected / missing clients, saved uploads
-        path = out / SUMMARY_NAME
-        write_text(path, json.dumps(summary, indent=2, default=_json_default))
-        self.summary = summary
-        log.info("server: wrote %s and %s", path, ckpt)
-        line = (f"{self.method_name}: test_acc={_fmt(summary['test_acc'])} "
-                f"ensemble_acc={_fmt(summary['ensemble_acc'])} clients={len(uploads)} "
-                f"num_synthetic={summary['num_synthetic']} total_s={summary['timings']['total_s']:.1f} "
-                f"summary={path}")
-        print_result_line(line)
-        return summary
-
-
-    def write_pictures(self, out: Path, uploads) -> Dict[str, str]:
-        """The label distribution plot, plus the synthetic grids the report callbacks wrote."""
-        pictures: Dict[str, str] = {}
-        if not self.fedmitr_config.save_images:
-            return pictures
-        try:
-            path = plot_label_distribution([u.label_counts for u in uploads], out / "label_distribution.png")
-            pictures["label_distribution"] = str(path)
-        except Exception as exc:  # a plot must never cost the run its results
-            log.warning("server: could not draw the label distribution: %s", exc)
-        for name in ("synthetic_grid", "synthetic_masks"):
-            if (out / f"{name}.png").is_file():
-                pictures[name] = str(out / f"{name}.png")
-        return pictures
-
-
-def print_result_line(line: str) -> None:
-    """Write one line to the real stdout (FedML's init_logs turns ``sys.stdout.write`` into a logger)."""
-    stream = sys.__stdout__
-    if stream is None:
-        return
-    try:
-        type(stream).write(stream, line + "\n")  # the class's write, not FedML's replacement
-        stream.flush()
-    except Exception:  # no usable stdout (daemonised): the log has the numbers
-        pass
-
-
-def _fmt(v) -> str:
-    return "n/a" if v is None else f"{v:.4f}"
-
-
-def _json_default(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    if isinstance(obj, Path):
-        return str(obj)
-    if hasattr(obj, "item"):
-        return obj.item()
-    if isinstance(obj, (set, tuple)):
-        return list(obj)
-    return str(obj)
+        partition = ({"method": info.partition_method, "alpha": info.partition_alpha,
+                      "classes_per_client": info.classes_per_client} if info is not None else
+                     {"method": getattr(args, "partition_method", None), "alpha": getattr(args, "partition_alpha", None),
+                      "classes_per_client": getattr(args, "classes_per_client", None)})
+        return RunInfo(
+            method=self.method_name, output_dir=Path(self.fedmitr_config.output_dir), model_meta=meta,
+            run={k: getattr(args, k, None) for k in ("dataset", "backend", "training_type", "random_seed")},
+            partition=partition,
+            config={"train_args": {k: getattr(self.train_config, k) for k in
+                                   ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "momentum",
+                                    "augment", "flip", "label_smoothing")},
+                    "data": info.to_dict() if info is not None else None,
+                    "yaml_config_file": getattr(args, "yaml_config_file", None)},
+            train_seconds=list(getattr(self, "train_seconds", []) or []), start_time=self.start_time,
+            refused=dict(self.refused_clients or {}), extra=self.summary_extra())

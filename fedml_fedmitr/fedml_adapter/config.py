@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import yaml
 
@@ -63,16 +64,87 @@ def _unique_key_loader(path: str):
     return UniqueKeyLoader
 
 
-# fedmitr_args keys read by the FedML adapter, not by the core's FedMITRConfig: custom_keys (below) and
-# the GRPC security settings (grpc_security.py); they never reach summary.json
-ADAPTER_KEYS = ("custom_keys", "auth_token", "tls_cert_file", "tls_key_file", "tls_ca_file")
+# fedmitr_args keys read by the FedML adapter, not by the core's FedMITRConfig: custom_keys
+# (run_checks.py), the GRPC security settings (grpc_security.py; never written to summary.json) and
+# FedML run control (RunControl)
+RUN_CONTROL_KEYS = ("client_timeout_s", "min_clients", "server_lost_s")
+SECURITY_KEYS = ("auth_token", "tls_cert_file", "tls_key_file", "tls_ca_file")
+ADAPTER_KEYS = ("custom_keys",) + SECURITY_KEYS + RUN_CONTROL_KEYS
 
 
-def adapter_settings(args) -> Dict[str, Any]:
-    """The adapter's own ``fedmitr_args`` keys (ADAPTER_KEYS) of ``args``' YAML file or dict."""
+@dataclass(frozen=True)
+class RunControl:
+    """How the FedML run waits for its parties (``fedmitr_args`` keys the core never sees)."""
+
+    client_timeout_s: float = 0.0       # 0: wait for every client forever (FedML's behaviour)
+    min_clients: int = 1                # fewest uploads the server proceeds with (after a timeout or refusals)
+    server_lost_s: float = 300.0        # a GRPC client ends (exit 2) once the server's port refused this long; 0: never
+
+    @classmethod
+    def from_section(cls, values: Mapping[str, Any], where: str = SECTION) -> "RunControl":
+        given = {}
+        for key in RUN_CONTROL_KEYS:
+            if key not in values:
+                continue
+            v = values[key]
+            if key == "min_clients":
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise ConfigError(f"{where}.{key} = {v!r} is invalid: expected an integer")
+                if v < 1:
+                    raise ConfigError(f"{where}.{key} = {v!r} is invalid: expected an integer >= 1")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+                raise ConfigError(f"{where}.{key} = {v!r} is invalid: expected a finite number >= 0")
+            given[key] = v
+        return cls(**given)
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """Everything the plugin reads from the YAML, read and validated once at the boundary
+    (:func:`read_settings`, or the CLI's validation) and handed down: the core gets ``method``."""
+
+    method: FedMITRConfig               # fedmitr_args for the server method (the core)
+    run: RunControl                     # fedmitr_args for FedML's run control
+    client: ClientTrainConfig           # train_args: local training
+    adapter: Dict[str, Any] = field(default_factory=dict)   # custom_keys and the security settings, as given
+    given: Tuple[str, ...] = ()         # the fedmitr_args keys the YAML sets
+
+
+def settings_from(sections: Optional[Mapping[str, Any]], args, path: str = "") -> PluginSettings:
+    """:class:`PluginSettings` from the YAML ``sections`` (or, without a file, ``args.fedmitr_args``)
+    and the flattened ``args`` namespace for ``train_args``."""
+    if sections is not None:
+        raw = dict(sections.get(SECTION) or {})
+        own = fedmitr_section(sections, path)
+    else:
+        raw = getattr(args, SECTION, None) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"args.{SECTION} must be a mapping, got {type(raw).__name__}")
+        raw = dict(raw)
+        own = {k: v for k, v in raw.items() if k not in ADAPTER_KEYS}
+        check_known_keys(own, path)
+    core = {k: v for k, v in own.items() if k not in RUN_CONTROL_KEYS}
+    return PluginSettings(method=FedMITRConfig.from_dict(core, where=SECTION),
+                          run=RunControl.from_section(raw),
+                          client=client_train_config(args),
+                          adapter={k: v for k, v in raw.items() if k in ("custom_keys",) + SECURITY_KEYS},
+                          given=tuple(raw))
+
+
+def read_settings(args) -> PluginSettings:
+    """The run's :class:`PluginSettings`: those the CLI validated (``args.fedmitr_settings``), else read
+    once from ``args.yaml_config_file`` (a stock ``main.py``) and kept on ``args``."""
+    cached = getattr(args, "fedmitr_settings", None)
+    if isinstance(cached, PluginSettings):
+        return cached
     path = getattr(args, "yaml_config_file", "") or ""
-    values = (load_yaml(path).get(SECTION) if path else getattr(args, SECTION, None)) or {}
-    return {k: v for k, v in dict(values).items() if k in ADAPTER_KEYS}
+    settings = settings_from(load_yaml(path) if path else None, args, path)
+    try:
+        args.fedmitr_settings = settings
+    except AttributeError:
+        pass
+    return settings
+
 
 def flatten(sections: Mapping[str, Any]) -> Dict[str, Any]:
     """FedML's flattening of the sections into one namespace (later sections win)."""
@@ -101,7 +173,7 @@ def check_known_keys(values: Mapping[str, Any], path: str = "") -> None:
     import difflib
     from dataclasses import fields
 
-    known = sorted(f.name for f in fields(FedMITRConfig))
+    known = sorted([f.name for f in fields(FedMITRConfig)] + list(ADAPTER_KEYS))
     for key in values:
         if key in known:
             continue
@@ -139,22 +211,12 @@ def check_output_dir(path: Any, key: str = f"{SECTION}.output_dir", create: bool
 
 
 def read_fedmitr_config(args) -> FedMITRConfig:
-    """:class:`FedMITRConfig` from the ``fedmitr_args`` section of ``args.yaml_config_file``.
-
-    Programmatic use without a YAML file: a dict in ``args.fedmitr_args`` is used instead.
-    """
+    """The core's :class:`FedMITRConfig` of the run (``args.fedmitr_config`` if set, else from
+    :func:`read_settings`)."""
     cached = getattr(args, "fedmitr_config", None)
     if isinstance(cached, FedMITRConfig):
         return cached
-    path = getattr(args, "yaml_config_file", "") or ""
-    if path:
-        values = fedmitr_section(load_yaml(path), path)
-    else:
-        values = getattr(args, SECTION, None) or {}
-        if not isinstance(values, dict):
-            raise ConfigError(f"args.{SECTION} must be a mapping, got {type(values).__name__}")
-        values = {k: v for k, v in values.items() if k not in ADAPTER_KEYS}
-    return FedMITRConfig.from_dict(values, where=SECTION)
+    return read_settings(args).method
 
 
 def _int(args, key: str, default=None, minimum: Optional[int] = None, section: str = "train_args") -> int:

@@ -10,14 +10,15 @@ missing or wrong, before a byte of it is unpickled. With ``fedmitr_args.tls_cert
 ``grpc.secure_channel``; with ``tls_ca_file`` as well, peers must present a certificate signed by
 that CA (mutual TLS) and the server's certificate is checked against it.
 
-FedML creates its server, channels and stubs inside ``GRPCCommManager``: :func:`install` replaces
-the ``grpc`` name in that one module with :class:`_GrpcFacade`, which forwards everything to grpc
+FedML creates its server, channels and stubs inside ``GRPCCommManager``:
+:func:`fedml_fedmitr.fedml_adapter.fedml_patches.fix_grpc_loop` replaces the ``grpc`` name in that
+one module with :class:`GrpcFacade`, which forwards everything to grpc
 and changes three calls: ``grpc.server`` (TLS port, and ``grpc.so_reuseport`` off, so a second
 server on a served port fails instead of sharing it), ``grpc.insecure_channel`` (a secure channel
 under TLS; the message signed). The tag does not stop a recorded message from being replayed
 within the run: use TLS against eavesdroppers.
 
-FedML-free until :func:`install`.
+FedML-free: the patch itself lives in :mod:`.fedml_patches`.
 """
 from __future__ import annotations
 
@@ -141,8 +142,8 @@ class _Server:
         return getattr(self._server, name)
 
 
-class _GrpcFacade:
-    """The ``grpc`` module as GRPCCommManager sees it once :func:`install` ran."""
+class GrpcFacade:
+    """The ``grpc`` module as GRPCCommManager sees it once the GRPC fix is applied."""
 
     def __init__(self, grpc_module, security: GrpcSecurity):
         self._grpc, self.security = grpc_module, security
@@ -170,11 +171,7 @@ def active() -> GrpcSecurity:
     return _active
 
 
-def install(security: GrpcSecurity) -> None:
-    """Route FedML's GRPC manager through :class:`_GrpcFacade` with ``security`` (idempotent)."""
+def set_active(security: GrpcSecurity) -> None:
+    """The settings the receive loop checks messages against from now on."""
     global _active
-    import grpc
-    from fedml.core.distributed.communication.grpc import grpc_comm_manager as gcm
-
     _active = security
-    gcm.grpc = _GrpcFacade(grpc, security)

@@ -1,7 +1,7 @@
 """The plugin's runner: one-shot FedMITR (or any method of ``method_names()``) on FedML.
 
 ``FedMITRRunner(args, device, dataset, model).run()`` is what ``FedMLRunner`` delegates to for the
-plugin's names (see :mod:`.registry`). By ``training_type`` / ``backend``:
+plugin's names (see :mod:`.fedml_patches`), and what the plugin's CLI builds directly. By ``training_type`` / ``backend``:
 
 * ``simulation`` + ``sp``: an in-process loop: every client trains with
   :class:`~.trainer.FedMITRClientTrainer` from the shared initial weights, then
@@ -16,7 +16,7 @@ plugin's names (see :mod:`.registry`). By ``training_type`` / ``backend``:
   plumbing) with the plugin's trainer and aggregator; each silo trains its own client (or, with
   ``client_num_in_total`` > ``worker_num``, its share as above).
 
-In the distributed modes, FedML's receive loops are fixed first (:mod:`.comm_fix`) and the server
+In the distributed modes, FedML's receive loops are fixed first (:mod:`.fedml_patches`) and the server
 and clients run the plugin's subclasses of FedML's managers (:mod:`.server_manager`: a deadline
 for clients that never upload, ``fedmitr_args.client_timeout_s`` / ``min_clients``).
 
@@ -63,9 +63,12 @@ def attach_plugin_logging() -> None:
 
 
 class FedMITRRunner:
-    def __init__(self, args, device, dataset, model, client_trainer=None, server_aggregator=None):
+    def __init__(self, args, device, dataset, model, client_trainer=None, server_aggregator=None,
+                 settings=None):
+        """``settings``: the :class:`~.config.PluginSettings` the CLI validated; a stock ``main.py``
+        passes none and they are read here, once."""
         from ..core.methods import method_names
-        from .config import check_run_args, client_train_config, read_fedmitr_config
+        from .config import check_run_args, read_settings
 
         self.start_time = time.perf_counter()
         attach_plugin_logging()
@@ -74,9 +77,12 @@ class FedMITRRunner:
             raise ConfigError(f"federated_optimizer = {name!r} is not a one-shot method of fedml_fedmitr: "
                              f"expected one of {', '.join(method_names())}")
         # validate everything before any training starts
-        self.fedmitr_config = read_fedmitr_config(args)
-        args.fedmitr_config = self.fedmitr_config
-        self.train_config = client_train_config(args)
+        if settings is not None:
+            args.fedmitr_settings = settings
+        self.settings = read_settings(args)
+        self.fedmitr_config = self.settings.method
+        self.run_control = self.settings.run
+        self.train_config = self.settings.client
         check_run_args(args)
         args.comm_round = 1
         check_vit(model, getattr(args, "model", None) if isinstance(getattr(args, "model", None), str) else None)
@@ -94,7 +100,7 @@ class FedMITRRunner:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.client_trainer, self.server_aggregator = client_trainer, server_aggregator
         self.num_classes = int(dataset[7])
-        check_dataset(dataset, model, int(args.client_num_in_total), self.fedmitr_config.min_clients)
+        check_dataset(dataset, model, int(args.client_num_in_total), self.run_control.min_clients)
         if not hasattr(args, "frequency_of_the_test"):
             args.frequency_of_the_test = 1
         self.mode = self._mode()
@@ -143,8 +149,7 @@ class FedMITRRunner:
 
         if self.client_trainer is not None:
             return self.client_trainer
-        return FedMITRClientTrainer(self.model, self.args, train_config=self.train_config,
-                                    fedmitr_config=self.fedmitr_config, num_classes=self.num_classes,
+        return FedMITRClientTrainer(self.model, self.args, settings=self.settings, num_classes=self.num_classes,
                                     model_meta=model_meta(self.model, self.args), **kw)
 
     def _aggregator(self, model):
@@ -152,12 +157,13 @@ class FedMITRRunner:
 
         if self.server_aggregator is not None:
             return self.server_aggregator
-        return FedMITRServerAggregator(model, self.args, fedmitr_config=self.fedmitr_config, device=self.device,
-                                       test_data=self.dataset[3], start_time=self.start_time,
-                                       train_config=self.train_config)
+        return FedMITRServerAggregator(model, self.args, settings=self.settings, device=self.device,
+                                       test_data=self.dataset[3], start_time=self.start_time)
 
     def _run_sp(self):
         import copy
+
+        from .aggregator import finish_round
 
         (_, _, _, test_global, train_num, train_local, test_local, _) = self.dataset
         args, device = self.args, self.device
@@ -172,7 +178,7 @@ class FedMITRRunner:
         k = int(args.client_num_in_total)
         saved = self._saved_uploads()
         if saved is not None:  # resume: the clients' work is saved, do not redo it
-            global_state = aggregate_saved_uploads(aggregator, saved, test_global, device, args)
+            global_state = aggregate_saved_uploads(aggregator, saved, args)
             return self._deliver_sp(trainer, global_state, aggregator)
         for idx in range(k):
             trainer.trained = False
@@ -183,11 +189,7 @@ class FedMITRRunner:
             trainer.train(train_local[idx], device, args)
             trainer.on_after_local_training(train_local[idx], device, args)
             model_list.append((train_num[idx], copy.deepcopy(trainer.get_model_params())))
-        model_list, _ = aggregator.on_before_aggregation(model_list)
-        global_state = aggregator.aggregate(model_list)
-        global_state = aggregator.on_after_aggregation(global_state)
-        aggregator.set_model_params(global_state)
-        aggregator.test(test_global, device, args)
+        global_state = finish_round(aggregator, model_list)
         return self._deliver_sp(trainer, global_state, aggregator)
 
     def _deliver_sp(self, trainer, global_state, aggregator):
@@ -216,7 +218,7 @@ class FedMITRRunner:
         return str(path)
 
     def _run_distributed(self):
-        from . import comm_fix
+        from . import fedml_patches
 
         args = self.args
         rank = int(args.rank)
@@ -233,12 +235,11 @@ class FedMITRRunner:
             aggregator = self._aggregator(self.model)
             aggregator.set_id(0)
             log.info("server: resuming from saved uploads %s; no client is contacted", saved)
-            aggregate_saved_uploads(aggregator, saved, self.dataset[3], self.device, args)
+            aggregate_saved_uploads(aggregator, saved, args)
             self.result = aggregator.summary
             return self.result
-        from .config import adapter_settings
         from .grpc_security import security_from
-        comm_fix.apply_all(args.backend, security_from(adapter_settings(args)))
+        fedml_patches.fix_receive_loops(args.backend, security_from(self.settings.adapter))
         k = int(args.client_num_in_total)
         if self.mode == "mpi_simulation":
             world = int(args.comm.Get_size())
@@ -263,11 +264,12 @@ class FedMITRRunner:
             args.client_id_list = json.dumps([rank])
         (train_num, test_num, train_global, test_global, train_local_num, train_local, test_local,
          class_num) = self.dataset
-        from .server_manager import run_client, run_server
+        from .client_manager import run_client
+        from .server_manager import run_server
 
         if rank == 0:
             aggregator = self._aggregator(self.model)
-            cfg = self.fedmitr_config
+            cfg = self.run_control
             log.info("server: waiting for %d client process(es) with %d clients", workers, k)
             run_server(args, self.device, getattr(args, "comm", None), rank, workers, self.model, train_num,
                        train_global, test_global, train_local, test_local, train_local_num, aggregator,
@@ -282,7 +284,7 @@ class FedMITRRunner:
             log.info("client process %d trains client(s) %s", rank, clients)
             run_client(args, self.device, getattr(args, "comm", None), rank, workers, self.model, train_num,
                        train_local_num, train_local, test_local, trainer,
-                       server_lost_s=self.fedmitr_config.server_lost_s)
+                       server_lost_s=self.run_control.server_lost_s)
             self.result = trainer.received_results
         return self.result
 
@@ -304,13 +306,14 @@ def check_dataset(dataset, model, num_clients: int, min_clients: int) -> None:
                           f"{num_clients}: expected at most {num_clients}")
 
 
-def aggregate_saved_uploads(aggregator, path, test_data, device, args, check_settings: bool = True):
+def aggregate_saved_uploads(aggregator, path, args, check_settings: bool = True):
     """The server's one-shot aggregation from uploads saved by an earlier run (no client needed).
 
     ``aggregator`` is a :class:`~.aggregator.FedMITRServerAggregator`; returns the global state.
     With ``check_settings`` the clients' FedML settings recorded with the uploads must match ``args``
     (a resumed run); :mod:`fedml_fedmitr.server_only` takes the uploads as they are.
     """
+    from .aggregator import finish_round
     from .state import client_settings, load_uploads, settings_diff
     from .trainer import PAYLOAD_KEY
 
@@ -324,18 +327,11 @@ def aggregate_saved_uploads(aggregator, path, test_data, device, args, check_set
     if diff:
         log.warning("server: the saved uploads were trained with other settings than this config (%s)", ", ".join(diff))
     payloads = blob["uploads"]
-    cfg = aggregator.fedmitr_config
-    if len(payloads) < cfg.min_clients:
+    if len(payloads) < aggregator.min_clients:
         raise ClientFailure(f"{str(path)!r} holds {len(payloads)} client upload(s), fewer than "
-                            f"fedmitr_args.min_clients = {cfg.min_clients}")
+                            f"fedmitr_args.min_clients = {aggregator.min_clients}")
     aggregator.uploads_file = str(path)
     aggregator.missing_clients = list(blob.get("missing_clients") or [])
     log.info("server: %d saved client upload(s) from %s (missing clients: %s)", len(payloads), path,
              aggregator.missing_clients or "none")
-    model_list = [(int(p["num_samples"]), {PAYLOAD_KEY: [p]}) for p in payloads]
-    model_list, _ = aggregator.on_before_aggregation(model_list)
-    state = aggregator.aggregate(model_list)
-    state = aggregator.on_after_aggregation(state)
-    aggregator.set_model_params(state)
-    aggregator.test(test_data, device, args)
-    return state
+    return finish_round(aggregator, [(int(p["num_samples"]), {PAYLOAD_KEY: [p]}) for p in payloads])

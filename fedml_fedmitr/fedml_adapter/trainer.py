@@ -30,7 +30,6 @@ from fedml.core import ClientTrainer
 
 from ..core.checkpoint import write_text
 from ..core.client import train_client
-from ..core.config import ClientTrainConfig, FedMITRConfig
 from ..core.evaluate import evaluate_model
 from ..core.methods.base import Callbacks
 from ..core.models import ModelError, load_state_checked, save_global_model
@@ -78,16 +77,16 @@ def check_shard(client_id: int, loader, num_classes: int) -> None:
 
 
 class FedMITRClientTrainer(ClientTrainer):
-    def __init__(self, model, args, train_config: Optional[ClientTrainConfig] = None,
-                 fedmitr_config: Optional[FedMITRConfig] = None, num_classes: Optional[int] = None,
+    def __init__(self, model, args, settings=None, num_classes: Optional[int] = None,
                  client_indices: Optional[Sequence[int]] = None,
                  train_data_local_dict: Optional[dict] = None, test_data_local_dict: Optional[dict] = None,
                  model_meta: Optional[dict] = None, save_received: bool = True):
         super().__init__(model, args)
-        from .config import client_train_config, read_fedmitr_config
+        from .config import read_settings
 
-        self.train_config = train_config or client_train_config(args)
-        self.fedmitr_config = fedmitr_config or read_fedmitr_config(args)
+        settings = settings or read_settings(args)   # a stock main.py's trainer reads them from its args
+        self.train_config = settings.client
+        self.fedmitr_config = settings.method
         self.num_classes = int(num_classes if num_classes is not None else model.num_classes)
         self.client_indices = list(client_indices) if client_indices is not None else None
         self.train_data_local_dict = train_data_local_dict

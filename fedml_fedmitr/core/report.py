@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torchvision.utils import make_grid, save_image
 
-from .core.checkpoint import write_bytes, write_text
-from .core.methods.base import Callbacks
+from .checkpoint import write_bytes, write_text
+from .methods.base import Callbacks
 
 log = logging.getLogger("fedml_fedmitr")
 
