@@ -17,6 +17,14 @@ Datasets (``data_args.dataset``):
 * ``cifar10``: the torchvision ``cifar-10-batches-py`` folder in ``data_args.data_cache_dir``,
   read by FedML's own CIFAR-10 loading (``fedml.data.cifar10.data_loader.load_cifar10_data``),
   which never downloads when the files are present; the plugin checks they are there first.
+* ``cifar100``: the torchvision ``cifar-100-python`` folder in ``data_args.data_cache_dir``, fine
+  labels, read by the plugin (FedML's loader insists on a download offline; see
+  :mod:`fedml_fedmitr.data_sources`).
+* ``imagefolder``: ``data_cache_dir/train/<class>/*`` and ``test/<class>/*`` (or ``val/``) image files,
+  decoded lazily with torchvision (never all in memory), resized to ``img_size`` with
+  ``data_args.interpolation`` (bilinear), ``model_args.in_chans`` channels (3), normalised with
+  ``data_args.input_mean`` / ``input_std`` or else the mean/std of 256 training images; the class
+  names (sorted folder names) are recorded in ``summary.json``.
 
 ``class_num`` (optional, in any section, e.g. ``data_args``) must equal the number of classes of the
 data (labels ``0..class_num-1``) when it is given. :func:`preflight` checks the files, arrays,
@@ -41,18 +49,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from .core.config import ConfigError
+from . import data_sources as sources
 from .core.partition import label_counts, partition
+from .data_sources import NPZ_KEYS, DataError, _to_nchw_unit, load_npz_arrays, npz_labels  # noqa: F401
 
 log = logging.getLogger("fedml_fedmitr")
 
 CIFAR10_MEAN = (0.49139968, 0.48215827, 0.44653124)
 CIFAR10_STD = (0.24703233, 0.24348505, 0.26158768)
 TEST_BATCH_SIZE = 256
-
-
-class DataError(ConfigError):
-    """A dataset file or array is missing or malformed (the message names it)."""
 
 
 @dataclass
@@ -68,6 +73,7 @@ class DataInfo:
     partition_alpha: Optional[float]
     classes_per_client: Optional[int]
     client_label_counts: List[List[int]] = field(default_factory=list)
+    class_names: Optional[List[str]] = None    # label i is class_names[i] (cifar100, imagefolder)
 
     def to_dict(self) -> Dict[str, Any]:
         out = asdict(self)
@@ -88,109 +94,6 @@ def digits_arrays(seed: int, test_fraction: float):
     y = d.target.astype(np.int64)
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, stratify=y, random_state=seed)
     return x_tr, y_tr, x_te, y_te
-
-
-def _to_nchw_unit(x: np.ndarray, where: str) -> np.ndarray:
-    if x.ndim == 3:
-        x = x[..., None]
-    if x.ndim != 4:
-        raise DataError(f"{where}: expected images of shape (N, H, W, C) or (N, H, W), got {x.shape}")
-    if x.shape[-1] not in (1, 3, 4) and x.shape[1] in (1, 3, 4):
-        x = np.transpose(x, (0, 2, 3, 1))  # NCHW given: make NHWC first
-    if x.dtype == np.uint8:
-        x = x.astype(np.float32) / 255.0
-    else:
-        x = x.astype(np.float32)
-        if x.size and (x.min() < -1e-3 or x.max() > 1.0 + 1e-3):
-            raise DataError(f"{where}: float images must lie in [0, 1] (got {x.min():.3g}..{x.max():.3g}); "
-                            "store uint8 0..255 instead")
-    return np.ascontiguousarray(np.transpose(x, (0, 3, 1, 2)))
-
-
-def load_npz_arrays(path: str):
-    """(x_train, y_train, x_test, y_test) of an .npz archive; DataError naming a missing key."""
-    path = os.path.expanduser(path)
-    if not os.path.isfile(path):
-        raise DataError(f"data_args.npz_path = {path!r}: no such file")
-    try:
-        blob = np.load(path, allow_pickle=False)
-    except Exception as exc:  # a corrupt or non-npz file
-        raise DataError(f"data_args.npz_path = {path!r} is not a readable .npz archive: {exc}") from exc
-    with blob:
-        missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in blob.files]
-        if missing:
-            raise DataError(f"{path}: missing array(s) {missing}; an npz dataset needs x_train, y_train, "
-                            f"x_test, y_test (has {sorted(blob.files)})")
-        arrays = {}
-        for k in ("x_train", "y_train", "x_test", "y_test"):
-            try:
-                arrays[k] = blob[k]
-            except Exception as exc:   # a corrupt member: zlib / zip / format errors
-                raise DataError(f"data_args.npz_path = {path!r}: array {k} cannot be read "
-                                f"({type(exc).__name__}: {exc})") from exc
-    x_tr = _to_nchw_unit(arrays["x_train"], f"{path}: x_train")
-    x_te = _to_nchw_unit(arrays["x_test"], f"{path}: x_test")
-    y_tr = arrays["y_train"].astype(np.int64).reshape(-1)
-    y_te = arrays["y_test"].astype(np.int64).reshape(-1)
-    for xs, ys, split in ((x_tr, y_tr, "train"), (x_te, y_te, "test")):
-        if len(xs) != len(ys):
-            raise DataError(f"{path}: x_{split} has {len(xs)} images but y_{split} {len(ys)} labels")
-        if len(ys) == 0:
-            raise DataError(f"{path}: x_{split} is empty")
-    if x_tr.shape[1:] != x_te.shape[1:]:
-        raise DataError(f"{path}: x_train images {x_tr.shape[1:]} and x_test images {x_te.shape[1:]} differ")
-    return x_tr, y_tr, x_te, y_te
-
-
-NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
-
-
-def npz_labels(path: str):
-    """(y_train, y_test) of an .npz archive, reading only the label arrays; DataError naming what is
-    missing or unreadable (the image arrays are checked to be present, not loaded)."""
-    path = os.path.expanduser(path)
-    if not os.path.isfile(path):
-        raise DataError(f"data_args.npz_path = {path!r}: no such file")
-    if not os.access(path, os.R_OK):
-        raise DataError(f"data_args.npz_path = {path!r} is not readable (permission denied)")
-    try:
-        blob = np.load(path, allow_pickle=False)
-        if not hasattr(blob, "files"):
-            raise ValueError("it holds a single array, not an .npz archive")
-    except Exception as exc:
-        raise DataError(f"data_args.npz_path = {path!r} is not a readable .npz archive: {exc}") from exc
-    with blob:
-        missing = [k for k in NPZ_KEYS if k not in blob.files]
-        if missing:
-            raise DataError(f"{path}: missing array(s) {missing}; an npz dataset needs x_train, y_train, "
-                            f"x_test, y_test (has {sorted(blob.files)})")
-        try:
-            labels = blob["y_train"].astype(np.int64).reshape(-1), blob["y_test"].astype(np.int64).reshape(-1)
-        except Exception as exc:
-            raise DataError(f"{path}: y_train / y_test cannot be read as integer labels: {exc}") from exc
-        bad = _corrupt_members(path, ("x_train", "x_test"))
-        if bad:
-            raise DataError(f"data_args.npz_path = {path!r}: array {bad} is corrupt (its checksum does not match)")
-        return labels
-
-
-def _corrupt_members(path: str, keys) -> Optional[str]:
-    """The first of ``keys`` whose zip member fails its CRC check (read in chunks, never all in memory)."""
-    import zipfile
-    try:
-        with zipfile.ZipFile(path) as z:
-            for k in keys:
-                try:
-                    with z.open(k + ".npy") as fh:
-                        while fh.read(1 << 22):
-                            pass
-                except KeyError:
-                    continue
-                except Exception:
-                    return k
-    except zipfile.BadZipFile:
-        return None   # np.load opened it, so it is no zip: nothing to check here
-    return None
 
 
 def _cifar10_folder(root: str) -> str:
@@ -256,6 +159,12 @@ def preflight(args, class_num_key: str = "class_num") -> None:
         y_tr, y_te = npz_labels(args.npz_path)
         if len(y_tr) == 0 or len(y_te) == 0:
             raise DataError(f"{args.npz_path}: y_train or y_test is empty")
+    elif name == "cifar100":
+        y_tr, y_te = sources.cifar100_labels(args.data_cache_dir)
+    elif name == "imagefolder":
+        _, train_samples, test_samples = sources.imagefolder_index(args.data_cache_dir)
+        y_tr = np.asarray([t for _, t in train_samples], dtype=np.int64)
+        y_te = np.asarray([t for _, t in test_samples], dtype=np.int64)
     else:
         _cifar10_folder(args.data_cache_dir)
         given = getattr(args, "class_num", None)
@@ -296,29 +205,11 @@ def load_data(args) -> Tuple[list, int]:
     name = args.dataset
     seed = int(getattr(args, "random_seed", 0))
     img_size = int(getattr(args, "img_size", 16))
-    if name == "digits":
-        x_tr, y_tr, x_te, y_te = digits_arrays(seed, float(getattr(args, "test_fraction", 0.2)))
-        mean = std = None
-    elif name == "npz":
-        x_tr, y_tr, x_te, y_te = load_npz_arrays(args.npz_path)
-        mean = std = None
+    if name == "imagefolder":
+        train_ds, test_ds, y_tr, y_te, mean, std, in_chans, class_names = _imagefolder(args, img_size, seed)
     else:
-        x_tr, y_tr, x_te, y_te = _cifar10(args.data_cache_dir)
-        mean, std = list(CIFAR10_MEAN), list(CIFAR10_STD)
-
+        train_ds, test_ds, y_tr, y_te, mean, std, in_chans, class_names = _in_memory(args, name, img_size, seed)
     num_classes = check_class_num(args, y_tr, y_te, name)
-    xt_tr = resize_images(torch.from_numpy(x_tr), img_size)
-    xt_te = resize_images(torch.from_numpy(x_te), img_size)
-    if mean is None:
-        mean = xt_tr.mean(dim=(0, 2, 3)).tolist()
-        std = xt_tr.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
-    m = torch.tensor(mean).view(1, -1, 1, 1)
-    s = torch.tensor(std).view(1, -1, 1, 1)
-    xt_tr = (xt_tr - m) / s
-    xt_te = (xt_te - m) / s
-    yt_tr = torch.from_numpy(y_tr)
-    yt_te = torch.from_numpy(y_te)
-    in_chans = int(xt_tr.shape[1])
     want_chans = getattr(args, "in_chans", None)
     if want_chans is not None and int(want_chans) != in_chans:
         raise DataError(f"model_args.in_chans = {want_chans!r} but dataset {name!r} has {in_chans} channel(s)")
@@ -337,23 +228,23 @@ def load_data(args) -> Tuple[list, int]:
     for idx, shard in enumerate(shards):
         shard_t = torch.from_numpy(shard)
         gen = torch.Generator().manual_seed(seed * 1000 + idx)
-        train_local[idx] = DataLoader(TensorDataset(xt_tr[shard_t], yt_tr[shard_t]), batch_size=batch_size,
+        train_local[idx] = DataLoader(_subset(train_ds, shard_t), batch_size=batch_size,
                                       shuffle=True, generator=gen)
         train_local_num[idx] = int(len(shard))
         c = label_counts(y_tr[shard], num_classes)
         counts.append(c)
         own = torch.from_numpy(np.isin(y_te, np.flatnonzero(np.asarray(c) > 0)))
-        test_local[idx] = DataLoader(TensorDataset(xt_te[own], yt_te[own]), batch_size=TEST_BATCH_SIZE)
-    train_global = DataLoader(TensorDataset(xt_tr, yt_tr), batch_size=batch_size, shuffle=True,
+        test_local[idx] = DataLoader(_subset(test_ds, torch.nonzero(own).flatten()), batch_size=TEST_BATCH_SIZE)
+    train_global = DataLoader(train_ds, batch_size=batch_size, shuffle=True,
                               generator=torch.Generator().manual_seed(seed))
-    test_global = DataLoader(TensorDataset(xt_te, yt_te), batch_size=TEST_BATCH_SIZE)
+    test_global = DataLoader(test_ds, batch_size=TEST_BATCH_SIZE)
 
     info = DataInfo(name=name, num_classes=num_classes, input_shape=(in_chans, img_size, img_size),
                     mean=[float(v) for v in mean], std=[float(v) for v in std], num_train=len(y_tr),
                     num_test=len(y_te), partition_method=method,
                     partition_alpha=alpha if method == "hetero" else None,
                     classes_per_client=cpc if method == "pathological" else None,
-                    client_label_counts=counts)
+                    client_label_counts=counts, class_names=class_names)
     args.fedmitr_data_info = info
     log.info("data: %s, %d train / %d test images of shape %s, %d classes, %d clients (%s), "
              "samples per client %s", name, len(y_tr), len(y_te), info.input_shape, num_classes, k,
@@ -361,3 +252,63 @@ def load_data(args) -> Tuple[list, int]:
     dataset = [len(y_tr), len(y_te), train_global, test_global, train_local_num, train_local, test_local,
                num_classes]
     return dataset, num_classes
+
+
+def _in_memory(args, name: str, img_size: int, seed: int):
+    """digits, npz, cifar10, cifar100: all images as one normalised tensor per split."""
+    class_names = None
+    if name == "digits":
+        x_tr, y_tr, x_te, y_te = digits_arrays(seed, float(getattr(args, "test_fraction", 0.2)))
+        mean = std = None
+    elif name == "npz":
+        x_tr, y_tr, x_te, y_te = load_npz_arrays(args.npz_path)
+        mean = std = None
+    elif name == "cifar100":
+        x_tr, y_tr, x_te, y_te, class_names = sources.cifar100_arrays(args.data_cache_dir)
+        mean = std = None
+    else:
+        x_tr, y_tr, x_te, y_te = _cifar10(args.data_cache_dir)
+        mean, std = list(CIFAR10_MEAN), list(CIFAR10_STD)
+    xt_tr = resize_images(torch.from_numpy(x_tr), img_size)
+    xt_te = resize_images(torch.from_numpy(x_te), img_size)
+    if getattr(args, "input_mean", None) is not None and getattr(args, "input_std", None) is not None:
+        mean, std = list(args.input_mean), list(args.input_std)   # the YAML's normalisation wins
+    if mean is None:
+        mean = xt_tr.mean(dim=(0, 2, 3)).tolist()
+        std = xt_tr.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
+    _check_stats(mean, std, int(xt_tr.shape[1]), name)
+    m = torch.tensor(mean).view(1, -1, 1, 1)
+    s = torch.tensor(std).view(1, -1, 1, 1)
+    train = TensorDataset((xt_tr - m) / s, torch.from_numpy(y_tr))
+    test = TensorDataset((xt_te - m) / s, torch.from_numpy(y_te))
+    return train, test, y_tr, y_te, mean, std, int(xt_tr.shape[1]), class_names
+
+
+def _imagefolder(args, img_size: int, seed: int):
+    """An image folder, decoded lazily: the datasets hold file names, not pixels."""
+    class_names, train_samples, test_samples = sources.imagefolder_index(args.data_cache_dir)
+    in_chans = int(getattr(args, "in_chans", None) or 3)
+    mean, std = getattr(args, "input_mean", None), getattr(args, "input_std", None)
+    if mean is None or std is None:
+        mean, std = sources.estimate_pixel_stats(train_samples, img_size, in_chans, seed=seed)
+    _check_stats(mean, std, in_chans, "imagefolder")
+    interpolation = getattr(args, "interpolation", "bilinear")
+    train = sources.LazyImages(train_samples, img_size, in_chans, mean, std, interpolation)
+    test = sources.LazyImages(test_samples, img_size, in_chans, mean, std, interpolation)
+    y_tr = np.asarray(train.targets, dtype=np.int64)
+    y_te = np.asarray(test.targets, dtype=np.int64)
+    return train, test, y_tr, y_te, list(mean), list(std), in_chans, class_names
+
+
+def _subset(dataset, index: torch.Tensor):
+    """The rows ``index`` of ``dataset``: sliced tensors for an in-memory one, a Subset of a lazy one."""
+    if isinstance(dataset, TensorDataset):
+        return TensorDataset(*(t[index] for t in dataset.tensors))
+    from torch.utils.data import Subset
+    return Subset(dataset, index.tolist())
+
+
+def _check_stats(mean, std, channels: int, name: str) -> None:
+    if len(mean) != channels or len(std) != channels:
+        raise DataError(f"data_args.input_mean / input_std have {len(mean)} / {len(std)} values but dataset "
+                        f"{name!r} has {channels} channel(s): give one value per channel")

@@ -258,4 +258,5 @@ class FedMITRServerAggregator(ServerAggregator):
                     "data": info.to_dict() if info is not None else None,
                     "yaml_config_file": getattr(args, "yaml_config_file", None)},
             train_seconds=list(getattr(self, "train_seconds", []) or []), start_time=self.start_time,
-            refused=dict(self.refused_clients or {}), extra=self.summary_extra())
+            refused=dict(self.refused_clients or {}),
+            extra={**self.summary_extra(), "class_names": info.class_names if info is not None else None})

@@ -18,7 +18,8 @@ import yaml
 from ..core.config import ClientTrainConfig, ConfigError, FedMITRConfig
 
 SECTION = "fedmitr_args"
-DATASETS = ("digits", "npz", "cifar10")
+DATASETS = ("digits", "npz", "cifar10", "cifar100", "imagefolder")
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 PARTITIONS = ("hetero", "pathological", "homo")
 
 
@@ -321,11 +322,25 @@ def check_data_args(args) -> None:
                               "x_train, y_train, x_test, y_test)")
         if not os.path.isfile(os.path.expanduser(path)):
             raise ConfigError(f"data_args.npz_path = {path!r}: no such file")
-    if name == "cifar10":
+    holds = {"cifar10": "holds cifar-10-batches-py", "cifar100": "holds cifar-100-python",
+             "imagefolder": "holds train/<class>/* and test/<class>/* (or val/) image files"}
+    if name in holds:
         root = getattr(args, "data_cache_dir", None)
         if not root or not isinstance(root, str):
-            raise ConfigError("data_args.data_cache_dir is required for dataset: cifar10 (the folder that "
-                              "holds cifar-10-batches-py)")
+            raise ConfigError(f"data_args.data_cache_dir is required for dataset: {name} (the folder that "
+                              f"{holds[name]})")
+    interpolation = getattr(args, "interpolation", "bilinear")
+    if interpolation not in INTERPOLATIONS:
+        raise ConfigError(f"data_args.interpolation = {interpolation!r} is invalid: expected one of "
+                          f"{', '.join(INTERPOLATIONS)}")
+    for key in ("input_mean", "input_std"):
+        value = getattr(args, key, None)
+        if value is not None and (not isinstance(value, (list, tuple)) or not value or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+            raise ConfigError(f"data_args.{key} = {value!r} is invalid: expected a list of numbers, one per channel")
+    std = getattr(args, "input_std", None)
+    if std is not None and any(v <= 0 for v in std):
+        raise ConfigError(f"data_args.input_std = {std!r} is invalid: every value must be > 0")
 
 
 def check_model_args(args) -> None:
