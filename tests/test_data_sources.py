@@ -145,9 +145,9 @@ def test_a_partition_of_an_image_folder_follows_its_labels(tmp_path):
 def test_a_one_shot_run_on_an_image_folder_records_its_classes(tmp_path, tmp_home):
     import json
 
-    from conftest import tiny_config, write_yaml
-
     from fedml_fedmitr import cli
+
+    from conftest import tiny_config, write_yaml
 
     root = write_imagefolder(tmp_path / "images", train=8)
     out = tmp_path / "out"
