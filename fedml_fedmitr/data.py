@@ -150,8 +150,10 @@ def preflight(args, class_num_key: str = "class_num") -> None:
     and readable with the arrays they need, ``class_num`` agrees with the labels, and the partition
     gives every client samples. Raises DataError naming the file, key or clients."""
     from .fedml_adapter.config import check_data_args
+    from .fedml_adapter.model import apply_pretrained_input
 
     check_data_args(args)
+    apply_pretrained_input(args)   # a pretrained model's input size, mean/std, interpolation
     name = args.dataset
     if name == "digits":
         _, y_tr, _, y_te = digits_arrays(int(getattr(args, "random_seed", 0)), float(getattr(args, "test_fraction", 0.2)))
@@ -200,8 +202,10 @@ def resize_images(x: torch.Tensor, size: int) -> torch.Tensor:
 def load_data(args) -> Tuple[list, int]:
     """FedML-format dataset of ``args.dataset`` partitioned by the core; see the module doc."""
     from .fedml_adapter.config import check_data_args
+    from .fedml_adapter.model import apply_pretrained_input
 
     check_data_args(args)
+    apply_pretrained_input(args)   # a pretrained model's input size, mean/std, interpolation
     name = args.dataset
     seed = int(getattr(args, "random_seed", 0))
     img_size = int(getattr(args, "img_size", 16))

@@ -43,7 +43,7 @@ def write_imagefolder(root, classes=("cat", "dog", "fox"), train=4, test=2, spli
             for i in range(n):
                 side = 10 + 3 * i   # images of several sizes
                 pixels = rng.integers(0, 256, size=(side, side + 2, 3), dtype=np.uint8)
-                pixels[..., c] = 255   # a class-coloured channel
+                pixels[..., c % 3] = 255   # a class-coloured channel
                 Image.fromarray(pixels).save(root / part / name / f"{i}.png")
     return root
 

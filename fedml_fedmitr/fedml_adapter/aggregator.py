@@ -33,7 +33,7 @@ from ..core.server import RunInfo, run_one_shot
 from . import state as saved_state
 from .checks import check_upload
 from .errors import ClientFailure, UserError, one_line
-from .model import input_shape_of, model_meta
+from .model import input_shape_of, is_pretrained, model_meta
 from .trainer import PAYLOAD_KEY, _cpu_state
 
 log = logging.getLogger("fedml_fedmitr")
@@ -200,7 +200,7 @@ class FedMITRServerAggregator(ServerAggregator):
                 mean, std = [0.0] * shape[0], [1.0] * shape[0]
         cfg = self.fedmitr_config
         out = Path(cfg.output_dir)
-        pretrained = bool(getattr(self.args, "pretrained", False) or getattr(self.args, "pretrained_path", None))
+        pretrained = is_pretrained(self.args)
         vit = self.model
         self.callbacks = ReportCallbacks(out, progress=cfg.progress, tensorboard=cfg.tensorboard,
                                          save_images=cfg.save_images, mean=list(mean), std=list(std),

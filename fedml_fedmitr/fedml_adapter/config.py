@@ -352,6 +352,8 @@ def check_model_args(args) -> None:
     if not isinstance(name, str) or not timm.is_model(name):
         raise ConfigError(f"model_args.model = {name!r} is invalid: expected a timm ViT name such as "
                           f"fedmitr_vit_micro, fedmitr_vit_tiny, vit_tiny_patch16_224")
+    from .model import apply_pretrained_input
+    apply_pretrained_input(args)   # a pretrained model's own input size is the one checked below
     img = _int(args, "img_size", 16, 1, "model_args")
     if getattr(args, "patch_size", None) is not None:
         patch = _int(args, "patch_size", None, 1, "model_args")
@@ -362,6 +364,12 @@ def check_model_args(args) -> None:
     if getattr(args, "in_chans", None) is not None:
         _int(args, "in_chans", None, 1, "model_args")
     _bool(args, "pretrained", False, "model_args")
-    path = getattr(args, "pretrained_path", None)
-    if path and not os.path.isfile(os.path.expanduser(str(path))):
-        raise ConfigError(f"model_args.pretrained_path = {path!r}: no such file")
+    if getattr(args, "checkpoint", None) and getattr(args, "pretrained_path", None):
+        raise ConfigError("model_args.checkpoint and model_args.pretrained_path name the same thing: give one")
+    if getattr(args, "pretrained", False) and (getattr(args, "checkpoint", None) or getattr(args, "pretrained_path", None)):
+        raise ConfigError("model_args.pretrained (timm's published weights) and a checkpoint file exclude each "
+                          "other: give one")
+    for key in ("checkpoint", "pretrained_path"):
+        path = getattr(args, key, None)
+        if path and not os.path.isfile(os.path.expanduser(str(path))):
+            raise ConfigError(f"model_args.{key} = {path!r}: no such file")

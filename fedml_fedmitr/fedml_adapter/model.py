@@ -2,7 +2,14 @@
 
 ``model_args``: ``model`` (a timm name, e.g. ``fedmitr_vit_micro``), ``img_size``, ``patch_size``
 (optional: the model's default otherwise), ``pretrained`` (timm's published weights, needs
-network), ``pretrained_path`` (a local checkpoint), ``in_chans`` (optional: the data's channels).
+network), ``checkpoint`` (a local weights file; ``pretrained_path`` is the older name), ``in_chans``
+(optional: the data's channels).
+
+A pretrained model (``pretrained: true`` or a ``checkpoint``) is fed the way timm means it: the
+input size, mean/std and interpolation of its ``pretrained_cfg`` (``timm.data.resolve_data_config``)
+fill ``img_size``, ``data_args.input_mean`` / ``input_std`` and ``data_args.interpolation`` wherever
+the YAML leaves them unset (:func:`apply_pretrained_input`, before the data is read), so the data,
+and the server's synthetic images, live in that normalisation.
 
 The model is built right after seeding torch with ``random_seed``, so every process of a run
 (server and each client) builds the same initial weights: one shared initialisation.
@@ -10,7 +17,7 @@ The model is built right after seeding torch with ``random_seed``, so every proc
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -31,11 +38,49 @@ def create_model(args, output_dim: int) -> nn.Module:
     model = create_vit(args.model, img_size=img_size, num_classes=int(output_dim), in_chans=int(in_chans),
                        patch_size=getattr(args, "patch_size", None),
                        pretrained=bool(getattr(args, "pretrained", False)),
-                       pretrained_path=getattr(args, "pretrained_path", None) or None)
+                       pretrained_path=checkpoint_path(args))
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: %s, img_size %d, patch %s, %d channels, %d classes, %.2fM parameters", args.model,
              img_size, model.patch_embed.patch_size[0], in_chans, output_dim, n_params / 1e6)
     return model
+
+
+def checkpoint_path(args) -> Optional[str]:
+    """``model_args.checkpoint`` (or its older name ``pretrained_path``), or None."""
+    return getattr(args, "checkpoint", None) or getattr(args, "pretrained_path", None) or None
+
+
+def is_pretrained(args) -> bool:
+    return bool(getattr(args, "pretrained", False) or checkpoint_path(args))
+
+
+def pretrained_input(args) -> Dict[str, Any]:
+    """timm's data config of a pretrained ``model_args.model``: ``img_size``, ``input_mean``,
+    ``input_std``, ``interpolation`` (empty when the model is not pretrained or timm has no config)."""
+    if not is_pretrained(args) or not isinstance(getattr(args, "model", None), str):
+        return {}
+    from timm.data import resolve_data_config
+    from timm.models import get_pretrained_cfg
+
+    from ..core import models as _models  # noqa: F401  (registers the fedmitr_vit_* presets)
+
+    cfg = get_pretrained_cfg(args.model)
+    if cfg is None:
+        return {}
+    data = resolve_data_config(pretrained_cfg=cfg.to_dict())
+    return {"img_size": int(data["input_size"][-1]), "input_mean": [float(v) for v in data["mean"]],
+            "input_std": [float(v) for v in data["std"]], "interpolation": str(data["interpolation"])}
+
+
+def apply_pretrained_input(args) -> Dict[str, Any]:
+    """Set the keys of :func:`pretrained_input` that ``args`` leaves unset; returns those it set."""
+    taken = {k: v for k, v in pretrained_input(args).items() if getattr(args, k, None) is None}
+    for key, value in taken.items():
+        setattr(args, key, value)
+    if taken:
+        log.info("model: %s is pretrained: %s from its timm pretrained_cfg", args.model,
+                 ", ".join(f"{k} {v}" for k, v in taken.items()))
+    return taken
 
 
 def model_meta(model: nn.Module, args=None) -> Dict[str, Any]:

@@ -189,7 +189,7 @@ class ServerMethod(abc.ABC):
         elif init == "pretrained":
             if ctx.pretrained_state is None:
                 raise ValueError("fedmitr_args.student_init = 'pretrained' but no pretrained weights "
-                                 "were given (model_args.pretrained / pretrained_path)")
+                                 "were given (model_args.pretrained / checkpoint)")
             load_state_checked(student, ctx.pretrained_state, "pretrained weights")
         self.student = student.to(ctx.device)
 
