@@ -119,6 +119,7 @@ def validate_sections(sections, path: str):
         settings_from,
     )
     from .fedml_adapter.run_checks import check_run_keys, check_unapplied
+    from .fedml_adapter.tracking import check_tracking_args
 
     flat = SimpleNamespace(**flatten(sections))
     name = getattr(flat, "federated_optimizer", None)
@@ -142,6 +143,7 @@ def validate_sections(sections, path: str):
         log.warning("fedml_fedmitr: warning: fedmitr_args %s in %s: not read by %s, no effect (settings of "
                     "another method)", ", ".join(unused), path, name)
     check_run_args(flat)
+    check_tracking_args(flat)
     check_data_args(flat)
     check_model_args(flat)
     t = getattr(flat, "training_type", None)

@@ -20,7 +20,7 @@ import json
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torchvision.utils import make_grid, save_image
@@ -147,8 +147,10 @@ class ReportCallbacks(Callbacks):
     def __init__(self, output_dir, progress: bool = True, tensorboard: bool = False, save_images: bool = True,
                  mean: Sequence[float] = (0.5,), std: Sequence[float] = (0.5,),
                  grid: Tuple[int, int] = (1, 1), patch: Tuple[int, int] = (1, 1), per_class: int = 8,
-                 logger: Optional[logging.Logger] = None):
+                 logger: Optional[logging.Logger] = None, sink: Optional[Callable[[str, float, int], None]] = None):
+        """``sink(name, value, step)``: every metric also goes there (the FedML adapter's tracking)."""
         super().__init__(progress)
+        self.sink = sink
         self.output_dir = Path(output_dir)
         self.save_images = save_images
         self.mean, self.std, self.grid, self.patch = list(mean), list(std), tuple(grid), tuple(patch)
@@ -169,6 +171,12 @@ class ReportCallbacks(Callbacks):
         self.history[name].append((int(step), float(value)))
         if self.writer is not None:
             self.writer.add_scalar(name, float(value), int(step))
+        if self.sink is not None:
+            try:
+                self.sink(name, float(value), int(step))
+            except Exception as exc:  # tracking must never cost the run its results
+                self.logger.warning("tracking stopped: %s: %s", type(exc).__name__, exc)
+                self.sink = None
 
     def scalars(self, values: Dict, prefix: str = "summary", step: int = 0) -> None:
         """Every number of a (nested) dict, e.g. the run summary, as TensorBoard scalars."""

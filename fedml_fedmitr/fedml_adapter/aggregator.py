@@ -34,6 +34,7 @@ from . import state as saved_state
 from .checks import check_upload
 from .errors import ClientFailure, UserError, one_line
 from .model import input_shape_of, is_pretrained, model_meta
+from .tracking import fedml_sink
 from .trainer import PAYLOAD_KEY, _cpu_state
 
 log = logging.getLogger("fedml_fedmitr")
@@ -205,7 +206,8 @@ class FedMITRServerAggregator(ServerAggregator):
         self.callbacks = ReportCallbacks(out, progress=cfg.progress, tensorboard=cfg.tensorboard,
                                          save_images=cfg.save_images, mean=list(mean), std=list(std),
                                          grid=tuple(int(g) for g in vit.patch_embed.grid_size),
-                                         patch=tuple(int(p) for p in vit.patch_embed.patch_size), logger=log)
+                                         patch=tuple(int(p) for p in vit.patch_embed.patch_size), logger=log,
+                                         sink=fedml_sink(self.args))
         return ServerContext(model_fn=model_fn, num_classes=int(self.model.num_classes), input_shape=shape,
                              mean=list(mean), std=list(std), device=device, eval_loader=self.test_data,
                              state_dir=out / "state", callbacks=self.callbacks,

@@ -1,0 +1,71 @@
+"""FedML tracking: with tracking_args.enable_wandb the server's metrics go through FedML's own calls
+(wandb.log and fedml.mlops.log, recorded here by a local sink, wandb itself disabled); with tracking
+off the plugin makes no tracking call; enable_tracking without FedML's platform keys is one line."""
+import json
+
+import pytest
+
+from fedml_fedmitr import cli
+
+from conftest import tiny_config, write_yaml
+
+
+def _recorders(monkeypatch):
+    import wandb
+    from fedml import mlops
+
+    seen = {"wandb": [], "mlops": []}
+
+    def record(record, *a, **k):
+        seen["wandb"].append(dict(record))
+    real_init = wandb.init
+
+    def init(*a, **k):   # FedML's wandb.init, then the run's wandb.log is recorded
+        run = real_init(*a, **k)
+        monkeypatch.setattr(wandb, "log", record)
+        return run
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setattr(wandb, "log", record)
+    real = mlops.log
+
+    def mlops_log(record, *a, **k):
+        seen["mlops"].append(dict(record))
+        return real(record, *a, **k)   # FedML's own: sends nothing without its platform
+    monkeypatch.setattr(mlops, "log", mlops_log)
+    return seen
+
+
+def test_the_server_metrics_reach_fedml_tracking(tmp_path, tmp_home, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")   # wandb.init is FedML's; nothing leaves the machine
+    seen = _recorders(monkeypatch)
+    out = tmp_path / "out"
+    cfg = write_yaml(tmp_path / "c.yaml", tiny_config(out, train_args={"epochs": 1},
+                                                      tracking_args={"enable_wandb": True, "wandb_project": "t"}))
+    assert cli.main(["--cf", str(cfg)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    names = {k for record in seen["mlops"] for k in record if k != "fedmitr_step"}
+    assert seen["wandb"] == [r for r in seen["mlops"] if "fedmitr_step" in r]   # the same records to both
+    for name in ("distill/loss", "summary/test_acc", "summary/ensemble_acc", "summary/timings/synthesis_s"):
+        assert name in names, sorted(names)[:20]
+    assert any(n.endswith("/kept_tokens") for n in names) and any(n.startswith("summary/per_class_acc/") for n in names)
+    logged = [r["summary/test_acc"] for r in seen["mlops"] if "summary/test_acc" in r]
+    assert logged == [pytest.approx(summary["test_acc"])]
+
+
+def test_no_tracking_call_when_tracking_is_off(tmp_path, tmp_home, monkeypatch):
+    seen = _recorders(monkeypatch)
+    cfg = write_yaml(tmp_path / "c.yaml", tiny_config(tmp_path / "out", train_args={"epochs": 1}))
+    assert cli.main(["--cf", str(cfg)]) == 0
+    assert not [r for r in seen["wandb"] + seen["mlops"] if "fedmitr_step" in r]
+
+
+@pytest.mark.parametrize("tracking,words", [
+    ({"enable_tracking": True}, "needs mlops_project_name and mlops_api_key"),
+    ({"enable_wandb": True}, "needs tracking_args.wandb_project"),
+    ({"enable_wandb": "yes"}, "tracking_args.enable_wandb = 'yes' is invalid"),
+])
+def test_tracking_settings_fedml_cannot_use_are_one_line(tmp_path, tmp_home, capfd, tracking, words):
+    cfg = write_yaml(tmp_path / "c.yaml", tiny_config(tmp_path / "out", tracking_args=tracking))
+    assert cli.main(["--cf", str(cfg)]) == 2
+    err = capfd.readouterr().err
+    assert words in err and "Traceback" not in err, err[-2000:]
