@@ -8,7 +8,7 @@ Where a default is marked [choice] it is ours, not the paper's (FedMITR's hyperp
 public, arXiv 2605.10748; SMI's are in Egg-Hu/SMI).
 
 The keys fall into sections (:data:`SECTIONS`: inversion, student, distillation, ensemble,
-screening, generator, output); each server method declares the sections it reads.
+screening, generator, compute, output); each server method declares the sections it reads.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "distill_optimizer": ("adamw", "sgd"),
     "foreground_target": ("label", "ensemble"),
     "drift_guard": ("none", "pool_agreement"),
+    "autocast": ("auto", "off", "bf16"),
 }
 
 # Prune schedules (fractions of inversion_iters). SMI's points suit its thousands of steps; with
@@ -92,6 +93,8 @@ class FedMITRConfig:
     ensemble_aggregate: str = "mean"    # "mean", or the robust "median" / "trimmed_mean"
     trim_fraction: float = 0.2          # fraction trimmed at each end for "trimmed_mean"
     ensemble_batched: str = "auto"      # "vmap", "loop", or "auto" (vmap on GPU, loop on CPU)
+    autocast: str = "auto"              # bf16 forward passes in inversion and distillation: "auto" (on CUDA
+                                        # only), "bf16" (any device), "off"
 
     # ---- screening of poisoned uploads (core/screening.py) ----
     client_screening: bool = False      # drop outlier clients (weights, probe predictions) before synthesis
@@ -273,6 +276,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "generator": ("gen_nz", "gen_lr", "gen_steps", "gen_batch_size", "gen_epochs", "gen_adv_weight", "gen_kd_steps",
                   "baseline_kd_temperature", "coboost_temperature", "coboost_eps", "coboost_mu",
                   "fedftg_div_weight"),
+    "compute": ("autocast",),
     "output": ("seed", "eval_every", "output_dir", "resume", "progress", "tensorboard", "save_images"),
 }
 

@@ -36,7 +36,7 @@ from .client import make_optimizer
 from .config import FedMITRConfig
 from .ensemble import Ensemble
 from .inversion import indices_of, remap_patches
-from .models import forward_tokens
+from .models import autocast, forward_tokens
 
 
 def kd_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -162,7 +162,9 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
                 x, m = augment_with_mask(x, m, grid, patch, gen, allow_flip=flip)
             if cfg.distill_mixup > 0:
                 x = mix_batch(x, cfg.distill_mixup, gen)
-            loss, parts = token_relabel_loss(student, ensemble, x, y, m, cfg)
+            with autocast(device, cfg.autocast):
+                loss, parts = token_relabel_loss(student, ensemble, x, y, m, cfg)
+            loss = loss.float()
             if anchor is not None:
                 prox = sum(((p - a) ** 2).sum() for p, a in zip(student.parameters(), anchor))
                 loss = loss + 0.5 * cfg.prox_weight * prox

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .config import FedMITRConfig, resolve_augmentation
 from .ensemble import Ensemble
+from .models import autocast
 
 
 @dataclass
@@ -130,8 +131,9 @@ class SparseModelInversion:
 
     def _prune(self, x: torch.Tensor, keep: torch.Tensor, count: int) -> torch.Tensor:
         """Keep the ``count`` currently-kept patches of highest ensemble CLS attention."""
-        with torch.no_grad():
+        with torch.no_grad(), autocast(self.device, self.cfg.autocast):
             _, attn = self.ensemble(x, keep, return_attn=True)       # (B, k_current)
+        attn = attn.float()
         top = attn.topk(count, dim=1).indices
         return keep.gather(1, top).sort(dim=1).values
 
@@ -166,8 +168,9 @@ class SparseModelInversion:
             if keep.shape[1] < self.num_patches:
                 shift = (int(round(dy / self.patch[0])), int(round(dx / self.patch[1])))
                 keep_a = remap_patches(keep, self.grid, shift, flip)
-            logits = self.ensemble(x_a, keep_a)
-            ce = F.cross_entropy(logits, labels)
+            with autocast(self.device, cfg.autocast):
+                logits = self.ensemble(x_a, keep_a)
+            ce = F.cross_entropy(logits.float(), labels)
             loss = ce + cfg.tv_weight * tv_l2(x)
             opt.zero_grad(set_to_none=True)
             loss.backward()

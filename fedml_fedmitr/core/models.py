@@ -294,3 +294,15 @@ def load_global_model(path, map_location="cpu") -> VisionTransformer:
                        **dict(meta.get("model_kwargs") or {}))
     load_state_checked(model, blob["state_dict"], str(path))
     return model.eval()
+
+
+def autocast(device, mode: str = "auto"):
+    """The forward passes' precision (``FedMITRConfig.autocast``): bf16 autocast on CUDA with
+    ``"auto"``, on any device with ``"bf16"``, never with ``"off"``. Losses are taken in float32."""
+    device = torch.device(device)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16,
+                          enabled=autocast_enabled(device.type, mode))
+
+
+def autocast_enabled(device_type: str, mode: str) -> bool:
+    return mode == "bf16" or (mode == "auto" and device_type == "cuda")

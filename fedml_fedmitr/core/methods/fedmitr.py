@@ -26,7 +26,7 @@ class FedMITR(ServerMethod):
     after every distillation epoch (under ``ctx.state_dir``); ``resume: true`` continues from them."""
 
     name = "FedMITR"
-    sections = ServerMethod.sections + ("inversion", "student", "distillation")
+    sections = ServerMethod.sections + ("inversion", "student", "distillation", "compute")
 
     def _state_path(self, ctx: ServerContext, name: str):
         return None if ctx.state_dir is None else ctx.state_dir / f"{self.name}_{name}"
