@@ -113,6 +113,7 @@ def validate_sections(sections, path: str):
     from .fedml_adapter.config import (
         ADAPTER_KEYS,
         check_data_args,
+        check_mixed_clients,
         check_model_args,
         check_run_args,
         flatten,
@@ -146,6 +147,7 @@ def validate_sections(sections, path: str):
     check_tracking_args(flat)
     check_data_args(flat)
     check_model_args(flat)
+    check_mixed_clients(flat, settings, get_method(name))
     t = getattr(flat, "training_type", None)
     if t not in ("simulation", "cross_silo"):
         raise ConfigError(f"common_args.training_type = {t!r} is invalid: expected simulation or cross_silo")

@@ -39,8 +39,16 @@ def client_weights(mode: str, num_samples: Sequence[int], label_counts: Sequence
     raise ValueError(f"ensemble_weighting = {mode!r} is invalid: expected 'mean', 'samples' or 'per_class'")
 
 
+def same_architecture(models: Sequence[nn.Module]) -> bool:
+    """True if every model has the parameters of the first, name by name and shape by shape."""
+    first = {k: tuple(v.shape) for k, v in models[0].state_dict().items()}
+    return all({k: tuple(v.shape) for k, v in m.state_dict().items()} == first for m in models[1:])
+
+
 class Ensemble:
-    """K frozen client ViTs of one architecture, queried together (optionally on token subsets)."""
+    """K frozen client ViTs, queried together (optionally on token subsets). The clients may have
+    different architectures that share the image size and patch grid (a model market); then the
+    ensemble loops over them (vmap stacks one architecture only)."""
 
     def __init__(self, models: List[nn.Module], weights: torch.Tensor, aggregate: str = "mean",
                  trim_fraction: float = 0.2, batched: str = "auto", device=None):
@@ -51,20 +59,27 @@ class Ensemble:
         self.weights = weights.to(self.device)
         self.aggregate = aggregate
         self.trim_fraction = trim_fraction
+        mixed = not same_architecture(self.models)
         if batched == "auto":
-            batched = "vmap" if self.device.type == "cuda" and len(models) > 1 else "loop"
+            batched = "vmap" if self.device.type == "cuda" and len(models) > 1 and not mixed else "loop"
+        if batched == "vmap" and mixed:
+            raise ValueError("fedmitr_args.ensemble_batched = 'vmap' stacks clients of one architecture; these "
+                             "clients have several (model_args.client_models): use 'auto' or 'loop'")
         self.batched = batched
         self._stacked = None
         if batched == "vmap":
             self._build_stacked()
 
     @classmethod
-    def from_uploads(cls, uploads, model_fn, num_classes: int, cfg: FedMITRConfig, device) -> "Ensemble":
-        """Rebuild each client's model from its upload (shape and NaN/Inf checked, naming the client)."""
+    def from_uploads(cls, uploads, model_fn, num_classes: int, cfg: FedMITRConfig, device,
+                     model_for=None) -> "Ensemble":
+        """Rebuild each client's model from its upload (shape and NaN/Inf checked, naming the client):
+        ``model_fn()`` builds a fresh model, or ``model_for(upload)`` one of that client's architecture."""
         models = []
         for u in uploads:
             check_finite(u.state_dict, f"client {u.client_id}'s uploaded model")
-            models.append(load_state_checked(model_fn(), u.state_dict, f"client {u.client_id}'s uploaded model"))
+            fresh = model_for(u) if model_for is not None else model_fn()
+            models.append(load_state_checked(fresh, u.state_dict, f"client {u.client_id}'s uploaded model"))
         weights = client_weights(cfg.ensemble_weighting, [u.num_samples for u in uploads],
                                  [u.label_counts for u in uploads], num_classes)
         return cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device)

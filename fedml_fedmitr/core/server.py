@@ -74,10 +74,10 @@ def evaluate_clients(uploads: Sequence[ClientUpload], ctx: ServerContext) -> Lis
     """Each client's own model's accuracy on the server's test set (empty without one)."""
     if ctx.eval_loader is None:
         return []
-    probe = ctx.model_fn().to(ctx.device)
     acc = []
     for upload in uploads:
-        load_state_checked(probe, upload.state_dict, f"the model of client {upload.client_id}")
+        probe = load_state_checked(ctx.model_for(upload).to(ctx.device), upload.state_dict,
+                                   f"the model of client {upload.client_id}")
         acc.append(evaluate_model(probe, ctx.eval_loader, ctx.device, ctx.num_classes)["acc"])
     return acc
 
@@ -134,6 +134,8 @@ class OutputWriter:
             "client_num": len(uploads),
             "client_ids": [u.client_id for u in uploads],
             "client_num_samples": [u.num_samples for u in uploads],
+            # each client's architecture (model_args.client_models; the global model's otherwise)
+            "client_models": [u.architecture or ctx.model_name for u in uploads],
             "partition": {**info.partition, "label_counts": [u.label_counts for u in uploads]},
             "test_acc": metrics.get("test_acc"),
             "ensemble_acc": metrics.get("ensemble_acc"),

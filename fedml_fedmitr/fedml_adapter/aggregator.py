@@ -33,7 +33,7 @@ from ..core.server import RunInfo, run_one_shot
 from . import state as saved_state
 from .checks import check_upload
 from .errors import ClientFailure, UserError, one_line
-from .model import input_shape_of, is_pretrained, model_meta
+from .model import client_models, create_model, input_shape_of, is_pretrained, model_meta
 from .tracking import fedml_sink
 from .trainer import PAYLOAD_KEY, _cpu_state
 
@@ -89,6 +89,8 @@ class FedMITRServerAggregator(ServerAggregator):
         self.test_data = test_data
         self.start_time = time.perf_counter() if start_time is None else start_time
         self.template_state = _cpu_state(model)  # the shared initial weights
+        self.model_name = model_meta(model, args)["model"]
+        self.client_templates: Dict[str, Dict[str, torch.Tensor]] = {}   # other client architectures
         self.summary: Optional[Dict[str, Any]] = None
         self.result = None
 
@@ -134,7 +136,7 @@ class FedMITRServerAggregator(ServerAggregator):
             for payload in params[PAYLOAD_KEY]:
                 try:
                     upload = ClientUpload.from_payload(payload)
-                    check_upload(upload, self.template_state)
+                    check_upload(upload, self.template_for(upload.architecture))
                 except (ModelError, UserError, KeyError, TypeError, ValueError) as exc:
                     # a bad upload drops its client, not the federation (min_clients decides below)
                     cid = payload.get("client_id", "?") if isinstance(payload, dict) else "?"
@@ -151,6 +153,20 @@ class FedMITRServerAggregator(ServerAggregator):
         self.train_seconds = [train_s[i] for i in order]
         self.received_payloads = [payloads[i] for i in order]
         return [uploads[i] for i in order]
+
+    def template_for(self, architecture: Optional[str]) -> Dict[str, torch.Tensor]:
+        """The weights an upload of ``architecture`` must fit (model_args.client_models)."""
+        if architecture is None or architecture == self.model_name:
+            return self.template_state
+        allowed = client_models(self.args) or []
+        if architecture not in allowed:
+            raise UserError(f"uploaded a {architecture!r} model, which is not one of model_args.client_models "
+                            f"{allowed} (or the global {self.model_name!r})")
+        if architecture not in self.client_templates:
+            with torch.random.fork_rng():   # building a model reseeds torch; the server's RNG stays as it was
+                self.client_templates[architecture] = _cpu_state(create_model(self.args, int(self.model.num_classes),
+                                                                              name=architecture))
+        return self.client_templates[architecture]
 
     # ---- saved state (see .state): uploads as soon as they are in, then the method's fingerprint ----
     uploads_file: Optional[str] = None        # set when the uploads were read from a saved file
@@ -185,6 +201,15 @@ class FedMITRServerAggregator(ServerAggregator):
         def model_fn():
             return copy.deepcopy(template)
 
+        client_built = {}
+        for name in client_models(self.args) or []:
+            if name != self.model_name and name not in client_built:
+                with torch.random.fork_rng():
+                    client_built[name] = create_model(self.args, int(self.model.num_classes), name=name).cpu()
+
+        def client_model_fn(name):
+            return copy.deepcopy(client_built[name])
+
         shape = input_shape_of(self.model)
         mean = getattr(self.args, "input_mean", None)
         std = getattr(self.args, "input_std", None)
@@ -213,6 +238,7 @@ class FedMITRServerAggregator(ServerAggregator):
                              state_dir=out / "state", callbacks=self.callbacks,
                              seed=int(cfg.seed if cfg.seed is not None else getattr(self.args, "random_seed", 0)),
                              pretrained_state=dict(self.template_state) if pretrained else None,
+                             model_name=self.model_name, client_model_fn=client_model_fn,
                              client_augment=bool(self.train_config.augment), client_flip=bool(self.train_config.flip))
 
     def aggregate(self, raw_client_model_or_grad_list):

@@ -352,7 +352,7 @@ def check_model_args(args) -> None:
     if not isinstance(name, str) or not timm.is_model(name):
         raise ConfigError(f"model_args.model = {name!r} is invalid: expected a timm ViT name such as "
                           f"fedmitr_vit_micro, fedmitr_vit_tiny, vit_tiny_patch16_224")
-    from .model import apply_pretrained_input
+    from .model import apply_pretrained_input, check_client_models
     apply_pretrained_input(args)   # a pretrained model's own input size is the one checked below
     img = _int(args, "img_size", 16, 1, "model_args")
     if getattr(args, "patch_size", None) is not None:
@@ -373,3 +373,21 @@ def check_model_args(args) -> None:
         path = getattr(args, key, None)
         if path and not os.path.isfile(os.path.expanduser(str(path))):
             raise ConfigError(f"model_args.{key} = {path!r}: no such file")
+    check_client_models(args)
+
+
+def check_mixed_clients(args, settings, method) -> None:
+    """What a method cannot do with clients of several architectures (model_args.client_models)."""
+    names = getattr(args, "client_models", None)
+    if not names or len(set(names)) == 1 and names[0] == args.model:
+        return
+    cfg = settings.method
+    if cfg.client_screening:
+        raise ConfigError("fedmitr_args.client_screening compares the clients' weights, which needs one "
+                          "architecture: model_args.client_models gives several (set client_screening: false)")
+    averages = method.name == "OneShotFedAvg" or cfg.student_init == "fedavg"
+    if averages and args.model not in names:
+        raise ConfigError(f"{'OneShotFedAvg' if method.name == 'OneShotFedAvg' else 'fedmitr_args.student_init: fedavg'} "
+                          f"averages the clients of the global architecture model_args.model = {args.model!r}, "
+                          f"which none of model_args.client_models {list(names)} has: add it there, or set "
+                          "student_init: scratch (or pretrained)")

@@ -27,21 +27,24 @@ from ..core.models import check_vit, create_vit
 log = logging.getLogger("fedml_fedmitr")
 
 
-def create_model(args, output_dim: int) -> nn.Module:
-    """The ViT of ``model_args`` with ``output_dim`` classes (ModelError for a non-ViT)."""
+def create_model(args, output_dim: int, name: Optional[str] = None) -> nn.Module:
+    """The ViT of ``model_args`` with ``output_dim`` classes (ModelError for a non-ViT); ``name``: another
+    architecture with the same input (a client's of ``model_args.client_models``), random weights."""
     info = getattr(args, "fedmitr_data_info", None)
     in_chans = getattr(args, "in_chans", None)
     if in_chans is None:
         in_chans = info.input_shape[0] if info is not None else 3
     img_size = int(getattr(args, "img_size", info.input_shape[1] if info is not None else 224))
     torch.manual_seed(int(getattr(args, "random_seed", 0)))
-    model = create_vit(args.model, img_size=img_size, num_classes=int(output_dim), in_chans=int(in_chans),
-                       patch_size=getattr(args, "patch_size", None),
-                       pretrained=bool(getattr(args, "pretrained", False)),
-                       pretrained_path=checkpoint_path(args))
+    own = name is None or name == args.model
+    model = create_vit(args.model if own else name, img_size=img_size, num_classes=int(output_dim),
+                       in_chans=int(in_chans), patch_size=getattr(args, "patch_size", None),
+                       pretrained=bool(getattr(args, "pretrained", False)) and own,
+                       pretrained_path=checkpoint_path(args) if own else None)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("model: %s, img_size %d, patch %s, %d channels, %d classes, %.2fM parameters", args.model,
-             img_size, model.patch_embed.patch_size[0], in_chans, output_dim, n_params / 1e6)
+    log.info("model: %s, img_size %d, patch %s, %d channels, %d classes, %.2fM parameters",
+             args.model if own else name, img_size, model.patch_embed.patch_size[0], in_chans, output_dim,
+             n_params / 1e6)
     return model
 
 
@@ -81,6 +84,48 @@ def apply_pretrained_input(args) -> Dict[str, Any]:
         log.info("model: %s is pretrained: %s from its timm pretrained_cfg", args.model,
                  ", ".join(f"{k} {v}" for k, v in taken.items()))
     return taken
+
+
+def client_models(args) -> Optional[list]:
+    """``model_args.client_models`` (architectures assigned to clients in turn), or None."""
+    names = getattr(args, "client_models", None)
+    return list(names) if names else None
+
+
+def client_architecture(args, client_id: int) -> Optional[str]:
+    """The architecture of client ``client_id`` (``client_models[client_id % len]``), or None (the global one)."""
+    names = client_models(args)
+    return None if names is None else str(names[int(client_id) % len(names)])
+
+
+def check_client_models(args) -> None:
+    """Every ``model_args.client_models`` entry is a class-token ViT with the global model's image size
+    and patch grid (built on the meta device: no weights). Raises ConfigError naming the entry."""
+    from ..core.config import ConfigError
+
+    names = getattr(args, "client_models", None)
+    if names is None:
+        return
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"model_args.client_models = {names!r} is invalid: expected a list of timm ViT names")
+
+    def grid(name):
+        with torch.device("meta"):
+            vit = create_vit(name, img_size=int(getattr(args, "img_size", 16)), num_classes=2,
+                             in_chans=int(getattr(args, "in_chans", None) or 3),
+                             patch_size=getattr(args, "patch_size", None))
+        return tuple(int(g) for g in vit.patch_embed.grid_size), int(vit.patch_embed.img_size[0])
+
+    want = grid(args.model)
+    for i, name in enumerate(names):
+        try:
+            got = grid(name)
+        except Exception as exc:   # not a timm ViT, or not buildable at this size
+            raise ConfigError(f"model_args.client_models[{i}] = {name!r} is invalid: {exc}") from exc
+        if got != want:
+            raise ConfigError(f"model_args.client_models[{i}] = {name!r} sees a {got[0][0]}x{got[0][1]} patch grid "
+                              f"at {got[1]} px, the global model {args.model!r} a {want[0][0]}x{want[0][1]} one at "
+                              f"{want[1]} px: every client must share the image size and the patch grid")
 
 
 def model_meta(model: nn.Module, args=None) -> Dict[str, Any]:

@@ -35,6 +35,7 @@ from ..core.methods.base import Callbacks
 from ..core.models import ModelError, load_state_checked, save_global_model
 from .checks import check_architecture
 from .errors import ClientFailure
+from .model import client_architecture, create_model
 
 log = logging.getLogger("fedml_fedmitr")
 
@@ -126,14 +127,20 @@ class FedMITRClientTrainer(ClientTrainer):
         initial = _cpu_state(self.model)
         self.uploads = []
         for n, (client_id, loader) in enumerate(jobs):
-            if n:
-                self.model.load_state_dict(initial)
-                torch.manual_seed(int(getattr(args, "random_seed", 0)) + 7919 * (client_id + 1))
+            arch = client_architecture(args, client_id)   # model_args.client_models: a model market
+            if arch is not None and arch != getattr(args, "model", None):
+                model = create_model(args, self.num_classes, name=arch)   # seeded: one start per architecture
+            else:
+                model = self.model
+                if n:
+                    model.load_state_dict(initial)
+            torch.manual_seed(int(getattr(args, "random_seed", 0)) + 7919 * (client_id + 1))
             check_shard(client_id, loader, self.num_classes)
             start = time.perf_counter()
             try:
-                upload = train_client(client_id, self.model, loader, self.train_config, device,
+                upload = train_client(client_id, model, loader, self.train_config, device,
                                       self.num_classes, callbacks)
+                upload.architecture = arch
             except ValueError as exc:
                 if "empty training shard" in str(exc):
                     raise ClientFailure(f"client {client_id} has an empty training shard: nothing to train on",

@@ -39,17 +39,24 @@ class ClientUpload:
     state_dict: Dict[str, torch.Tensor]
     num_samples: int
     label_counts: List[int]             # samples per class, length num_classes
+    architecture: Optional[str] = None  # the client's timm model name; None: the global model's
 
     def to_payload(self) -> Dict[str, Any]:
         """A plain dict (picklable by any FedML backend)."""
-        return {"client_id": int(self.client_id), "state_dict": self.state_dict,
-                "num_samples": int(self.num_samples), "label_counts": [int(c) for c in self.label_counts]}
+        payload = {"client_id": int(self.client_id), "state_dict": self.state_dict,
+                   "num_samples": int(self.num_samples), "label_counts": [int(c) for c in self.label_counts]}
+        if self.architecture is not None:
+            payload["architecture"] = str(self.architecture)
+        return payload
 
     @classmethod
     def from_payload(cls, payload: Dict[str, Any]) -> "ClientUpload":
+        arch = payload.get("architecture")
+        if arch is not None and not isinstance(arch, str):
+            raise ValueError(f"architecture must be a model name, got {type(arch).__name__}")
         return cls(client_id=int(payload["client_id"]), state_dict=payload["state_dict"],
                    num_samples=int(payload["num_samples"]),
-                   label_counts=[int(c) for c in payload["label_counts"]])
+                   label_counts=[int(c) for c in payload["label_counts"]], architecture=arch)
 
 
 class Callbacks:
@@ -101,6 +108,26 @@ class ServerContext:
     pretrained_state: Optional[Dict[str, torch.Tensor]] = None  # for student_init: pretrained
     client_augment: bool = True         # the clients trained with random crops (train_args.client_augment)
     client_flip: bool = True            # ... and horizontal flips (train_args.client_flip)
+    model_name: Optional[str] = None    # the global model's timm name (clients of another one: mixed ViTs)
+    client_model_fn: Optional[Callable[[str], nn.Module]] = None  # a fresh model of a client architecture
+
+    def model_for(self, upload: "ClientUpload") -> nn.Module:
+        """A fresh model of ``upload``'s architecture (the global one unless it names another)."""
+        if self.is_global(upload) or self.client_model_fn is None:
+            return self.model_fn()
+        return self.client_model_fn(upload.architecture)
+
+    def is_global(self, upload: "ClientUpload") -> bool:
+        return upload.architecture is None or upload.architecture == self.model_name
+
+    def global_uploads(self, uploads: Sequence["ClientUpload"], what: str) -> List["ClientUpload"]:
+        """The uploads of the global architecture (what FedAvg can average), or a ValueError."""
+        same = [u for u in uploads if self.is_global(u)]
+        if not same:
+            raise ValueError(f"{what} averages the clients of the global architecture ({self.model_name}), and no "
+                             "client has it (model_args.client_models): add it to client_models, or set "
+                             "fedmitr_args.student_init: scratch (or pretrained)")
+        return same
 
 
 @dataclass
@@ -171,8 +198,11 @@ class ServerMethod(abc.ABC):
             raise ValueError("no client uploads: the server needs at least one client model")
         self.uploads = list(uploads)
         self.ensemble = Ensemble.from_uploads(self.uploads, ctx.model_fn, ctx.num_classes, self.config,
-                                              ctx.device)
+                                              ctx.device, model_for=ctx.model_for)
         self.screening = None
+        if self.config.client_screening and len({u.architecture or ctx.model_name for u in self.uploads}) > 1:
+            raise ValueError("fedmitr_args.client_screening compares the clients' weights, which needs one "
+                             "architecture: these clients have several (model_args.client_models)")
         if self.config.client_screening and len(self.uploads) > 2:
             from ..screening import screen_clients
             self.screening = screen_clients(self.ensemble, self.uploads, self.config, ctx.input_shape, ctx.mean,
@@ -181,11 +211,12 @@ class ServerMethod(abc.ABC):
             if len(keep) < len(self.uploads):
                 self.uploads = [self.uploads[i] for i in keep]
                 self.ensemble = Ensemble.from_uploads(self.uploads, ctx.model_fn, ctx.num_classes, self.config,
-                                                      ctx.device)
+                                                      ctx.device, model_for=ctx.model_for)
         student = ctx.model_fn()
         init = self.config.student_init
         if init == "fedavg":
-            load_state_checked(student, fedavg_state_dict(self.uploads), "FedAvg of the client models")
+            load_state_checked(student, fedavg_state_dict(ctx.global_uploads(self.uploads, "student_init: fedavg")),
+                               "FedAvg of the client models")
         elif init == "pretrained":
             if ctx.pretrained_state is None:
                 raise ValueError("fedmitr_args.student_init = 'pretrained' but no pretrained weights "

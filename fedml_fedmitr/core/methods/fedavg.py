@@ -19,5 +19,6 @@ class OneShotFedAvg(ServerMethod):
 
     def distill(self, pool, ctx: ServerContext) -> nn.Module:
         # the student was initialised by prepare(); FedAvg always averages, whatever student_init says
-        load_state_checked(self.student, fedavg_state_dict(self.uploads), "FedAvg of the client models")
+        load_state_checked(self.student, fedavg_state_dict(ctx.global_uploads(self.uploads, "OneShotFedAvg")),
+                           "FedAvg of the client models")
         return self.student
