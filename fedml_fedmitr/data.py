@@ -26,6 +26,8 @@ Datasets (``data_args.dataset``):
   ``data_args.input_mean`` / ``input_std`` or else the mean/std of 256 training images; the class
   names (sorted folder names) are recorded in ``summary.json``.
 
+Every dataset is resized to ``img_size`` with ``data_args.interpolation`` (bilinear, bicubic or nearest).
+
 ``class_num`` (optional, in any section, e.g. ``data_args``) must equal the number of classes of the
 data (labels ``0..class_num-1``) when it is given. :func:`preflight` checks the files, arrays,
 ``class_num`` and the partition (no client without samples) cheaply, before FedML starts.
@@ -187,14 +189,16 @@ def _cifar10(root: str):
             _to_nchw_unit(np.asarray(x_te), "cifar10 test"), np.asarray(y_te, dtype=np.int64))
 
 
-def resize_images(x: torch.Tensor, size: int) -> torch.Tensor:
-    """Bilinear resize of NCHW images to ``size`` x ``size`` (antialiased when shrinking), in chunks."""
+def resize_images(x: torch.Tensor, size: int, mode: str = "bilinear") -> torch.Tensor:
+    """Resize NCHW images to ``size`` x ``size`` (``mode``: bilinear, bicubic or nearest; antialiased when
+    shrinking), in chunks."""
     if x.shape[-1] == size and x.shape[-2] == size:
         return x
+    smooth = mode in ("bilinear", "bicubic")
     out = []
     for start in range(0, len(x), 4096):
-        out.append(F.interpolate(x[start:start + 4096], size=(size, size), mode="bilinear",
-                                 align_corners=False, antialias=size < x.shape[-1]))
+        out.append(F.interpolate(x[start:start + 4096], size=(size, size), mode=mode,
+                                 align_corners=False if smooth else None, antialias=smooth and size < x.shape[-1]))
     return torch.cat(out).clamp_(0.0, 1.0)
 
 
@@ -273,8 +277,9 @@ def _in_memory(args, name: str, img_size: int, seed: int):
     else:
         x_tr, y_tr, x_te, y_te = _cifar10(args.data_cache_dir)
         mean, std = list(CIFAR10_MEAN), list(CIFAR10_STD)
-    xt_tr = resize_images(torch.from_numpy(x_tr), img_size)
-    xt_te = resize_images(torch.from_numpy(x_te), img_size)
+    mode = getattr(args, "interpolation", "bilinear")
+    xt_tr = resize_images(torch.from_numpy(x_tr), img_size, mode)
+    xt_te = resize_images(torch.from_numpy(x_te), img_size, mode)
     if getattr(args, "input_mean", None) is not None and getattr(args, "input_std", None) is not None:
         mean, std = list(args.input_mean), list(args.input_std)   # the YAML's normalisation wins
     if mean is None:

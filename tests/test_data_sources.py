@@ -158,3 +158,12 @@ def test_a_one_shot_run_on_an_image_folder_records_its_classes(tmp_path, tmp_hom
     summary = json.loads((out / "summary.json").read_text())
     assert summary["class_names"] == ["cat", "dog", "fox"] and summary["dataset"] == "imagefolder"
     assert summary["config"]["data"]["input_shape"] == [3, 16, 16]
+
+
+def test_in_memory_images_are_resized_with_the_chosen_interpolation():
+    from fedml_fedmitr.data import resize_images
+    x = torch.zeros(1, 1, 4, 4)
+    x[..., :, 2:] = 1.0   # a vertical edge
+    up = {m: resize_images(x, 8, m)[0, 0, 0] for m in ("bilinear", "bicubic", "nearest")}
+    assert set(up["nearest"].tolist()) == {0.0, 1.0}                 # no in-between values
+    assert 0.0 < float(up["bilinear"][3]) < 1.0 and not torch.equal(up["bilinear"], up["bicubic"])
