@@ -27,7 +27,9 @@ import os
 import sys
 import time
 from types import SimpleNamespace
-from typing import Any, List, Mapping, Optional
+from typing import List, Optional
+
+from .fedml_adapter.run_checks import mpi_env_rank_size, section_of
 
 EXIT_CONFIG = 2  # a user error
 EXIT_FAILURE = 1
@@ -50,55 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def mpi_env_rank_size():
-    """(rank, size) of this process as mpirun announces it (MPICH/Hydra or Open MPI), else (None, None)."""
-    for rank_key, size_key in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                               ("PMIX_RANK", "PMIX_SIZE")):
-        if os.environ.get(size_key, "").isdigit():
-            rank = os.environ.get(rank_key, "0")
-            return (int(rank) if rank.isdigit() else 0), int(os.environ[size_key])
-    return None, None
-
-
-def _section_of(sections: Mapping[str, Any], key: str, default: str) -> str:
-    for name, section in sections.items():
-        if isinstance(section, dict) and key in section:
-            return f"{name}.{key}"
-    return f"{default}.{key}"
-
-
-def check_processes(sections, flat) -> None:
-    """Client processes must not outnumber clients; ``min_clients`` <= clients; deadlines need GRPC/MPI."""
-    from .core.config import ConfigError
-
-    k = flat.client_num_in_total
-    run = flat.fedmitr_settings.run
-    min_clients = run.min_clients
-    if min_clients > k:
-        raise ConfigError(f"fedmitr_args.min_clients = {min_clients} is more than train_args.client_num_in_total = "
-                          f"{k}: expected at most {k}")
-    t, backend = getattr(flat, "training_type", None), getattr(flat, "backend", None)
-    if t == "cross_silo":
-        workers = getattr(flat, "worker_num", None)
-        where = _section_of(sections, "worker_num", "device_args")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ConfigError(f"{where} = {workers!r} is invalid: expected the number of client processes (>= 1)")
-        if workers > k:
-            raise ConfigError(f"{where} = {workers} client processes but train_args.client_num_in_total = {k}: "
-                              "every client process must train at least one client (expected worker_num <= "
-                              "client_num_in_total)")
-    if t == "simulation" and backend == "MPI":
-        _, size = mpi_env_rank_size()
-        if size is not None and size - 1 > k:
-            raise ConfigError(f"mpirun started {size} processes (1 server + {size - 1} clients) but "
-                              f"train_args.client_num_in_total = {k}: every client process must train at least one "
-                              f"client (use mpirun -n {k + 1} or fewer, or raise client_num_in_total)")
-    timeout = run.client_timeout_s
-    if timeout and (t == "cross_silo" or backend == "MPI") and backend not in ("GRPC", "MPI"):
-        raise ConfigError(f"fedmitr_args.client_timeout_s = {timeout!r} needs comm_args.backend GRPC or MPI "
-                          f"(got {backend!r}); set it to 0 to wait for every client")
-
-
 def validate(path: str):
     """Read and validate the YAML file without importing FedML. Returns (sections, namespace)."""
     from .fedml_adapter.config import load_yaml
@@ -119,7 +72,7 @@ def validate_sections(sections, path: str):
         flatten,
         settings_from,
     )
-    from .fedml_adapter.run_checks import check_run_keys, check_unapplied
+    from .fedml_adapter.run_checks import check_processes, check_run_keys, check_unapplied
     from .fedml_adapter.tracking import check_tracking_args
 
     flat = SimpleNamespace(**flatten(sections))
@@ -167,7 +120,7 @@ def preflight(sections, flat) -> str:
     from .data import preflight as data_preflight
     from .fedml_adapter.config import check_output_dir
 
-    data_preflight(flat, class_num_key=_section_of(sections, "class_num", "data_args"))
+    data_preflight(flat, class_num_key=section_of(sections, "class_num", "data_args"))
     out_dir = flat.fedmitr_settings.method.output_dir
     check_output_dir(out_dir, create=True)
     check_gpu(sections, flat)
@@ -182,7 +135,7 @@ def check_gpu(sections, flat) -> None:
     if getattr(flat, "using_gpu", False) is True:
         import torch
         if not torch.cuda.is_available():
-            raise ConfigError(f"{_section_of(sections, 'using_gpu', 'common_args')} = true but torch sees no CUDA "
+            raise ConfigError(f"{section_of(sections, 'using_gpu', 'common_args')} = true but torch sees no CUDA "
                               "device on this machine; set using_gpu: false to run on the CPU")
 
 

@@ -52,11 +52,23 @@ def test_the_server_metrics_reach_fedml_tracking(tmp_path, tmp_home, monkeypatch
     assert logged == [pytest.approx(summary["test_acc"])]
 
 
-def test_no_tracking_call_when_tracking_is_off(tmp_path, tmp_home, monkeypatch):
-    seen = _recorders(monkeypatch)
-    cfg = write_yaml(tmp_path / "c.yaml", tiny_config(tmp_path / "out", train_args={"epochs": 1}))
-    assert cli.main(["--cf", str(cfg)]) == 0
-    assert not [r for r in seen["wandb"] + seen["mlops"] if "fedmitr_step" in r]
+def test_no_sink_when_tracking_is_off_and_a_failing_sink_never_costs_the_run(tmp_path):
+    from types import SimpleNamespace
+
+    from fedml_fedmitr.core.report import ReportCallbacks
+    from fedml_fedmitr.fedml_adapter.tracking import fedml_sink
+
+    assert fedml_sink(SimpleNamespace(enable_wandb=False, enable_tracking=False)) is None
+    assert fedml_sink(SimpleNamespace()) is None
+    calls = []
+
+    def sink(name, value, step):
+        calls.append(name)
+        raise ConnectionError("the tracking server is gone")
+    cb = ReportCallbacks(tmp_path, progress=False, save_images=False, sink=sink)
+    cb.metric("distill/loss", 1.0, 0)
+    cb.metric("distill/loss", 0.5, 1)     # the sink was dropped after its failure; the history goes on
+    assert calls == ["distill/loss"] and cb.history["distill/loss"] == [(0, 1.0), (1, 0.5)]
 
 
 @pytest.mark.parametrize("tracking,words", [

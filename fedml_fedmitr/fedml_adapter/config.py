@@ -243,6 +243,13 @@ def _float(args, key: str, default=None, section: str = "train_args", minimum: f
     return float(value)
 
 
+def _one_of(args, key: str, options, default, section: str = "data_args"):
+    value = getattr(args, key, default)
+    if value not in options:
+        raise ConfigError(f"{section}.{key} = {value!r} is invalid: expected one of {', '.join(options)}")
+    return value
+
+
 def _bool(args, key: str, default: bool, section: str = "train_args") -> bool:
     value = getattr(args, key, default)
     if not isinstance(value, bool):
@@ -303,10 +310,7 @@ def check_data_args(args) -> None:
     if name not in DATASETS:
         raise ConfigError(f"data_args.dataset = {name!r} is invalid: the plugin's loader knows "
                           f"{', '.join(DATASETS)} (a stock FedML main.py can pass any dataset of its own)")
-    method = getattr(args, "partition_method", "hetero")
-    if method not in PARTITIONS:
-        raise ConfigError(f"data_args.partition_method = {method!r} is invalid: expected one of "
-                          f"{', '.join(PARTITIONS)}")
+    method = _one_of(args, "partition_method", PARTITIONS, "hetero")
     if method == "hetero":
         _float(args, "partition_alpha", 0.5, "data_args", strict=True)
     if method == "pathological":
@@ -329,10 +333,7 @@ def check_data_args(args) -> None:
         if not root or not isinstance(root, str):
             raise ConfigError(f"data_args.data_cache_dir is required for dataset: {name} (the folder that "
                               f"{holds[name]})")
-    interpolation = getattr(args, "interpolation", "bilinear")
-    if interpolation not in INTERPOLATIONS:
-        raise ConfigError(f"data_args.interpolation = {interpolation!r} is invalid: expected one of "
-                          f"{', '.join(INTERPOLATIONS)}")
+    _one_of(args, "interpolation", INTERPOLATIONS, "bilinear")
     for key in ("input_mean", "input_std"):
         value = getattr(args, key, None)
         if value is not None and (not isinstance(value, (list, tuple)) or not value or not all(

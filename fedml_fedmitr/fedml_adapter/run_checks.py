@@ -162,3 +162,52 @@ def check_grpc_endpoint(args, rank: int) -> None:
                           "there, or the address is not this machine's") from None
     finally:
         probe.close()
+
+
+# ---- processes (the CLI's checks of how many parties there are) ----
+def mpi_env_rank_size():
+    """(rank, size) of this process as mpirun announces it (MPICH/Hydra or Open MPI), else (None, None)."""
+    for rank_key, size_key in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                               ("PMIX_RANK", "PMIX_SIZE")):
+        if os.environ.get(size_key, "").isdigit():
+            rank = os.environ.get(rank_key, "0")
+            return (int(rank) if rank.isdigit() else 0), int(os.environ[size_key])
+    return None, None
+
+
+def section_of(sections: Mapping[str, Any], key: str, default: str) -> str:
+    """``section.key`` of the YAML section that sets ``key`` (``default.key`` if none does), for messages."""
+    for name, section in sections.items():
+        if isinstance(section, dict) and key in section:
+            return f"{name}.{key}"
+    return f"{default}.{key}"
+
+
+def check_processes(sections, flat) -> None:
+    """Client processes must not outnumber clients; ``min_clients`` <= clients; deadlines need GRPC/MPI."""
+    k = flat.client_num_in_total
+    run = flat.fedmitr_settings.run
+    min_clients = run.min_clients
+    if min_clients > k:
+        raise ConfigError(f"fedmitr_args.min_clients = {min_clients} is more than train_args.client_num_in_total = "
+                          f"{k}: expected at most {k}")
+    t, backend = getattr(flat, "training_type", None), getattr(flat, "backend", None)
+    if t == "cross_silo":
+        workers = getattr(flat, "worker_num", None)
+        where = section_of(sections, "worker_num", "device_args")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"{where} = {workers!r} is invalid: expected the number of client processes (>= 1)")
+        if workers > k:
+            raise ConfigError(f"{where} = {workers} client processes but train_args.client_num_in_total = {k}: "
+                              "every client process must train at least one client (expected worker_num <= "
+                              "client_num_in_total)")
+    if t == "simulation" and backend == "MPI":
+        _, size = mpi_env_rank_size()
+        if size is not None and size - 1 > k:
+            raise ConfigError(f"mpirun started {size} processes (1 server + {size - 1} clients) but "
+                              f"train_args.client_num_in_total = {k}: every client process must train at least one "
+                              f"client (use mpirun -n {k + 1} or fewer, or raise client_num_in_total)")
+    timeout = run.client_timeout_s
+    if timeout and (t == "cross_silo" or backend == "MPI") and backend not in ("GRPC", "MPI"):
+        raise ConfigError(f"fedmitr_args.client_timeout_s = {timeout!r} needs comm_args.backend GRPC or MPI "
+                          f"(got {backend!r}); set it to 0 to wait for every client")
