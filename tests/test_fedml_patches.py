@@ -50,3 +50,30 @@ def test_the_offline_fetch_config_lasts_only_for_the_block():
     finally:
         if registered:   # as the process had it
             fp.install_offline_fetch_config()
+
+
+def test_a_second_run_in_one_process_logs_to_the_new_handlers(monkeypatch):
+    """FedML sets up new log handlers on each fedml.init; the plugin's logger follows them and never
+    keeps writing to the first run's (possibly closed) streams; a logger someone else set up stays."""
+    import io
+    import logging
+
+    from fedml_fedmitr.fedml_adapter.runner import attach_plugin_logging
+
+    plog = logging.getLogger("fedml_fedmitr")
+    monkeypatch.setattr(plog, "handlers", [])
+    monkeypatch.setattr(plog, "_fedmitr_attached", [], raising=False)
+    first, second = logging.StreamHandler(io.StringIO()), logging.StreamHandler(io.StringIO())
+    monkeypatch.setattr(logging.root, "handlers", [first])
+    attach_plugin_logging()
+    assert plog.handlers == [first]
+    monkeypatch.setattr(logging.root, "handlers", [second])   # the next fedml.init
+    attach_plugin_logging()
+    assert plog.handlers == [second]
+    plog.warning("resume: true but nothing is saved")
+    assert "resume: true but" in second.stream.getvalue() and first.stream.getvalue() == ""
+    mine = logging.StreamHandler(io.StringIO())
+    monkeypatch.setattr(plog, "handlers", [mine])
+    monkeypatch.setattr(plog, "_fedmitr_attached", [])
+    attach_plugin_logging()
+    assert plog.handlers == [mine]

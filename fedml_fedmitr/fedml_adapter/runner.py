@@ -50,14 +50,21 @@ def attach_plugin_logging() -> None:
     """Send the plugin's (and the core's) log records to FedML's log handlers.
 
     FedML's ``init_logs`` replaces ``logging.root`` with its own logger; a logger created before
-    that (as ``fedml_fedmitr`` is) would still point at the old, handler-less root.
+    that (as ``fedml_fedmitr`` is) would still point at the old, handler-less root. A second run in
+    the same process (FedML set up its handlers again) moves the plugin to the new ones; handlers
+    someone else gave the plugin's logger are left alone.
     """
     plog = logging.getLogger("fedml_fedmitr")
     root = logging.root
-    if plog.handlers or not root.handlers:
-        return
-    for handler in root.handlers:
+    ours = getattr(plog, "_fedmitr_attached", [])
+    if not root.handlers or (plog.handlers and not ours):
+        return   # configured by someone else before the plugin ever attached: leave it
+    for handler in ours:
+        plog.removeHandler(handler)
+    added = [h for h in root.handlers if h not in plog.handlers]
+    for handler in added:
         plog.addHandler(handler)
+    plog._fedmitr_attached = added
     plog.setLevel(root.level or logging.INFO)
     plog.propagate = False
 
