@@ -142,24 +142,6 @@ def test_a_partition_of_an_image_folder_follows_its_labels(tmp_path):
     assert torch.tensor(args.fedmitr_data_info.client_label_counts).sum() == 18
 
 
-def test_a_one_shot_run_on_an_image_folder_records_its_classes(tmp_path, tmp_home):
-    import json
-
-    from fedml_fedmitr import cli
-
-    from conftest import tiny_config, write_yaml
-
-    root = write_imagefolder(tmp_path / "images", train=8)
-    out = tmp_path / "out"
-    cfg = write_yaml(tmp_path / "c.yaml", tiny_config(out, data_args={"dataset": "imagefolder",
-                                                                     "data_cache_dir": str(root)},
-                                                      model_args={"in_chans": 3}, train_args={"epochs": 1}))
-    assert cli.main(["--cf", str(cfg)]) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["class_names"] == ["cat", "dog", "fox"] and summary["dataset"] == "imagefolder"
-    assert summary["config"]["data"]["input_shape"] == [3, 16, 16]
-
-
 def test_in_memory_images_are_resized_with_the_chosen_interpolation():
     from fedml_fedmitr.data import resize_images
     x = torch.zeros(1, 1, 4, 4)

@@ -1,6 +1,7 @@
 """FedML tracking: with tracking_args.enable_wandb the server's metrics go through FedML's own calls
 (wandb.log and fedml.mlops.log, recorded here by a local sink, wandb itself disabled); with tracking
-off the plugin makes no tracking call; enable_tracking without FedML's platform keys is one line."""
+off the plugin makes no tracking call; enable_tracking without FedML's platform keys is one line.
+The tracked run is also the end-to-end run of an image folder and of mixed client architectures."""
 import json
 
 import pytest
@@ -35,14 +36,27 @@ def _recorders(monkeypatch):
     return seen
 
 
-def test_the_server_metrics_reach_fedml_tracking(tmp_path, tmp_home, monkeypatch):
+def test_one_run_with_an_image_folder_two_client_architectures_and_tracking(tmp_path, tmp_home, monkeypatch):
+    """One CLI run of the paper options together (one run keeps the suite short): an image folder
+    (class names in summary.json), clients of two architectures in turn (client_models in
+    summary.json), and the server's metrics through FedML's tracking calls."""
+    from test_data_sources import write_imagefolder
+
     monkeypatch.setenv("WANDB_MODE", "disabled")   # wandb.init is FedML's; nothing leaves the machine
     seen = _recorders(monkeypatch)
     out = tmp_path / "out"
-    cfg = write_yaml(tmp_path / "c.yaml", tiny_config(out, train_args={"epochs": 1},
-                                                      tracking_args={"enable_wandb": True, "wandb_project": "t"}))
+    root = write_imagefolder(tmp_path / "images", train=8)
+    cfg = write_yaml(tmp_path / "c.yaml", tiny_config(
+        out, data_args={"dataset": "imagefolder", "data_cache_dir": str(root)},
+        model_args={"in_chans": 3, "client_models": ["fedmitr_vit_micro", "fedmitr_vit_tiny"]},
+        train_args={"epochs": 1, "client_num_in_total": 3, "client_num_per_round": 3},
+        tracking_args={"enable_wandb": True, "wandb_project": "t"}))
     assert cli.main(["--cf", str(cfg)]) == 0
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["class_names"] == ["cat", "dog", "fox"] and summary["dataset"] == "imagefolder"
+    assert summary["config"]["data"]["input_shape"] == [3, 16, 16]
+    assert summary["client_models"] == ["fedmitr_vit_micro", "fedmitr_vit_tiny", "fedmitr_vit_micro"]
+    assert summary["model"]["model"] == "fedmitr_vit_micro" and len(summary["client_test_acc"]) == 3
     names = {k for record in seen["mlops"] for k in record if k != "fedmitr_step"}
     assert seen["wandb"] == [r for r in seen["mlops"] if "fedmitr_step" in r]   # the same records to both
     for name in ("distill/loss", "summary/test_acc", "summary/ensemble_acc", "summary/timings/synthesis_s"):
