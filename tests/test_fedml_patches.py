@@ -60,20 +60,19 @@ def test_a_second_run_in_one_process_logs_to_the_new_handlers(monkeypatch):
 
     from fedml_fedmitr.fedml_adapter.runner import attach_plugin_logging
 
-    plog = logging.getLogger("fedml_fedmitr")
-    monkeypatch.setattr(plog, "handlers", [])
-    monkeypatch.setattr(plog, "_fedmitr_attached", [], raising=False)
+    plog = logging.getLogger("fedml_fedmitr.test_attach")   # not the plugin's own: its state stays
+    plog.handlers = []
     first, second = logging.StreamHandler(io.StringIO()), logging.StreamHandler(io.StringIO())
     monkeypatch.setattr(logging.root, "handlers", [first])
-    attach_plugin_logging()
+    attach_plugin_logging(plog)
     assert plog.handlers == [first]
     monkeypatch.setattr(logging.root, "handlers", [second])   # the next fedml.init
-    attach_plugin_logging()
+    attach_plugin_logging(plog)
     assert plog.handlers == [second]
     plog.warning("resume: true but nothing is saved")
     assert "resume: true but" in second.stream.getvalue() and first.stream.getvalue() == ""
     mine = logging.StreamHandler(io.StringIO())
-    monkeypatch.setattr(plog, "handlers", [mine])
-    monkeypatch.setattr(plog, "_fedmitr_attached", [])
-    attach_plugin_logging()
+    plog.handlers = [mine]
+    plog._fedmitr_attached = []
+    attach_plugin_logging(plog)
     assert plog.handlers == [mine]

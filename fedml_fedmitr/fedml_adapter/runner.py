@@ -46,7 +46,7 @@ def assigned_clients(rank: int, workers: int, num_clients: int) -> List[int]:
     return list(range(rank - 1, num_clients, workers))
 
 
-def attach_plugin_logging() -> None:
+def attach_plugin_logging(plog: Optional[logging.Logger] = None) -> None:
     """Send the plugin's (and the core's) log records to FedML's log handlers.
 
     FedML's ``init_logs`` replaces ``logging.root`` with its own logger; a logger created before
@@ -54,7 +54,7 @@ def attach_plugin_logging() -> None:
     the same process (FedML set up its handlers again) moves the plugin to the new ones; handlers
     someone else gave the plugin's logger are left alone.
     """
-    plog = logging.getLogger("fedml_fedmitr")
+    plog = plog or logging.getLogger("fedml_fedmitr")
     root = logging.root
     ours = getattr(plog, "_fedmitr_attached", [])
     if not root.handlers or (plog.handlers and not ours):
