@@ -90,7 +90,7 @@ class FedMITRServerAggregator(ServerAggregator):
         self.start_time = time.perf_counter() if start_time is None else start_time
         self.template_state = _cpu_state(model)  # the shared initial weights
         self.model_name = model_meta(model, args)["model"]
-        self.client_templates: Dict[str, Dict[str, torch.Tensor]] = {}   # other client architectures
+        self.client_templates: Dict[str, Any] = {}   # other client architectures: their initial models
         self.summary: Optional[Dict[str, Any]] = None
         self.result = None
 
@@ -162,10 +162,15 @@ class FedMITRServerAggregator(ServerAggregator):
         if architecture not in allowed:
             raise UserError(f"uploaded a {architecture!r} model, which is not one of model_args.client_models "
                             f"{allowed} (or the global {self.model_name!r})")
+        return self.client_model(architecture).state_dict()
+
+    def client_model(self, architecture: str):
+        """The initial model of a client architecture, built once (the upload check and the server's
+        context share it)."""
         if architecture not in self.client_templates:
             with torch.random.fork_rng():   # building a model reseeds torch; the server's RNG stays as it was
-                self.client_templates[architecture] = _cpu_state(create_model(self.args, int(self.model.num_classes),
-                                                                              name=architecture))
+                self.client_templates[architecture] = create_model(self.args, int(self.model.num_classes),
+                                                                   name=architecture).cpu()
         return self.client_templates[architecture]
 
     # ---- saved state (see .state): uploads as soon as they are in, then the method's fingerprint ----
@@ -201,14 +206,8 @@ class FedMITRServerAggregator(ServerAggregator):
         def model_fn():
             return copy.deepcopy(template)
 
-        client_built = {}
-        for name in client_models(self.args) or []:
-            if name != self.model_name and name not in client_built:
-                with torch.random.fork_rng():
-                    client_built[name] = create_model(self.args, int(self.model.num_classes), name=name).cpu()
-
         def client_model_fn(name):
-            return copy.deepcopy(client_built[name])
+            return copy.deepcopy(self.client_model(name))
 
         shape = input_shape_of(self.model)
         mean = getattr(self.args, "input_mean", None)

@@ -89,7 +89,6 @@ class FedMITRRunner:
         self.settings = read_settings(args)
         self.fedmitr_config = self.settings.method
         self.run_control = self.settings.run
-        self.train_config = self.settings.client
         check_run_args(args)
         args.comm_round = 1
         check_vit(model, getattr(args, "model", None) if isinstance(getattr(args, "model", None), str) else None)
