@@ -81,9 +81,28 @@ CELLS: Dict[str, Dict[str, Any]] = {
                               backbone="cifar10_public"),
 }
 
+MATRIX = list(CELLS)   # the robustness matrix of the defaults (#18); the cells below are #17's regime trials
+
+# Full CIFAR-10 (50,000 / 10,000), for a regime with headroom (#17): the task is either classes 5-9
+# (25,000 / 5,000, relabelled 0-4) with a backbone pretrained on classes 0-4, or all 10 classes on half
+# of each class's training images with a backbone pretrained on the other half (10,000 test images).
+# ``task`` names the archive under the cache; ``img_size`` the side the plugin resizes to.
+CELLS.update({
+    "c10full_K10_a0.1_pre": dict(data="cifar10", task="cifar10full_task", clients=10, partition="hetero",
+                                 alpha=0.1, backbone="cifar10_public_e30"),
+    "c10half_K10_a0.1_pre": dict(data="cifar10", task="cifar10half_task", clients=10, partition="hetero",
+                                 alpha=0.1, backbone="cifar10half_public_e30"),
+    "c10full32_K10_a0.1_pre": dict(data="cifar10", task="cifar10full_task", clients=10, partition="hetero",
+                                   alpha=0.1, backbone="cifar10_public32_e15", img_size=32),
+})
+TASK_FILES = {"digits": None, "mnist": "mnist_5k.npz", "cifar10": "cifar10_task.npz"}
+
 BACKBONES = {  # public pretraining data, disjoint from the federated task
     "mnist_full": dict(npz="mnist_full.npz", epochs=2),
     "cifar10_public": dict(npz="cifar10_public.npz", epochs=5),
+    "cifar10_public_e30": dict(npz="cifar10_public.npz", epochs=30),
+    "cifar10half_public_e30": dict(npz="cifar10half_public.npz", epochs=30),
+    "cifar10_public32_e15": dict(npz="cifar10_public.npz", epochs=15, img_size=32),
 }
 
 
@@ -123,12 +142,29 @@ def build_data() -> None:
         pub_tr, pub_te = z["y_train"] < 5, z["y_test"] < 5
         _save_npz(data / "cifar10_public.npz", x_train=z["x_train"][pub_tr], y_train=z["y_train"][pub_tr],
                   x_test=z["x_test"][pub_te], y_test=z["y_test"][pub_te])
+    if not (data / "cifar10full_task.npz").exists() or not (data / "cifar10half_task.npz").exists():
+        z = np.load(data / "cifar10_full.npz")
+        task_tr, task_te = z["y_train"] >= 5, z["y_test"] >= 5
+        _save_npz(data / "cifar10full_task.npz", x_train=z["x_train"][task_tr], y_train=z["y_train"][task_tr] - 5,
+                  x_test=z["x_test"][task_te], y_test=z["y_test"][task_te] - 5)
+        rng = np.random.default_rng(11)
+        public = np.zeros(len(z["y_train"]), dtype=bool)
+        for c in range(10):
+            idx = rng.permutation(np.flatnonzero(z["y_train"] == c))
+            public[idx[:len(idx) // 2]] = True
+        _save_npz(data / "cifar10half_public.npz", x_train=z["x_train"][public], y_train=z["y_train"][public],
+                  x_test=z["x_test"], y_test=z["y_test"])
+        _save_npz(data / "cifar10half_task.npz", x_train=z["x_train"][~public], y_train=z["y_train"][~public],
+                  x_test=z["x_test"], y_test=z["y_test"])
     # validation archives: a fifth of each task's training images held out (stratified), the rest
     # for the clients; knobs are chosen on these (--split val), never on the test images
     from fedml_fedmitr.data import digits_arrays
     x_tr, y_tr, _, _ = digits_arrays(0, 0.2)
     sources = {"digits": (x_tr, y_tr)}
-    for fam, name in (("mnist", "mnist_5k.npz"), ("cifar10", "cifar10_task.npz")):
+    for fam, name in (("mnist", "mnist_5k.npz"), ("cifar10", "cifar10_task.npz"),
+                      ("cifar10full_task", "cifar10full_task.npz"), ("cifar10half_task", "cifar10half_task.npz")):
+        if (data / f"{fam}_val.npz").exists():
+            continue
         z = np.load(data / name)
         sources[fam] = (z["x_train"], z["y_train"])
     for fam, (x, y) in sources.items():
@@ -148,15 +184,16 @@ def cell_args(cell: Dict[str, Any], seed: int, split: str = "test") -> SimpleNam
     ``split="val"`` the clients get four fifths of the training images and the rest is the
     evaluation set (the validation split on which knobs are chosen)."""
     fam = cell["data"]
+    task = cell.get("task")
     args = dict(dataset="digits" if fam == "digits" and split == "test" else "npz", random_seed=seed, model="fedmitr_vit_micro",
-                img_size=16, patch_size=4, client_num_in_total=cell["clients"],
+                img_size=cell.get("img_size", 16), patch_size=4, client_num_in_total=cell["clients"],
                 client_num_per_round=cell["clients"], partition_method=cell["partition"],
                 partition_alpha=cell.get("alpha", 0.5), classes_per_client=cell.get("classes_per_client", 2),
                 client_optimizer="adamw", weight_decay=0.05, data_cache_dir=str(CACHE / "data"))
     if split == "val":
-        args["npz_path"] = str(CACHE / "data" / f"{fam}_val.npz")
+        args["npz_path"] = str(CACHE / "data" / f"{task or fam}_val.npz")
     elif fam != "digits":
-        args["npz_path"] = str(CACHE / "data" / ("mnist_5k.npz" if fam == "mnist" else "cifar10_task.npz"))
+        args["npz_path"] = str(CACHE / "data" / (f"{task}.npz" if task else TASK_FILES[fam]))
     args.update(CLIENT[fam])
     if cell.get("backbone"):
         args["pretrained_path"] = str(CACHE / "backbones" / f"{cell['backbone']}.pt")
@@ -188,7 +225,7 @@ def pretrain_backbone(name: str) -> Dict[str, Any]:
     spec = BACKBONES[name]
     fam = "mnist" if name.startswith("mnist") else "cifar10"
     args = SimpleNamespace(dataset="npz", npz_path=str(CACHE / "data" / spec["npz"]), random_seed=1234,
-                           model="fedmitr_vit_micro", img_size=16, patch_size=4, client_num_in_total=1,
+                           model="fedmitr_vit_micro", img_size=spec.get("img_size", 16), patch_size=4, client_num_in_total=1,
                            client_num_per_round=1, partition_method="homo", client_optimizer="adamw",
                            weight_decay=0.05, **dict(CLIENT[fam], epochs=spec["epochs"], batch_size=128))
     dataset, n = load_data(args)
@@ -645,7 +682,7 @@ def merge_results(a, argv) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
+    p.add_argument("--cells", nargs="+", default=MATRIX, choices=list(CELLS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--methods", nargs="+", default=METHODS)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="fedmitr_args overrides")
