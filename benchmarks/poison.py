@@ -35,8 +35,15 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import compare  # noqa: E402  (the benchmark's settings, caching, client training and method jobs)
+for _p in (str(HERE.parent), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+import compare  # noqa: E402  (the benchmark's plan of jobs)
+
+from fedbench import jobs  # noqa: E402  (client training and the method worker)
+from fedbench.settings import build_parser, build_settings, portable_settings, setting_name  # noqa: E402
+from fedbench.store import read_json, stable_hash, write_json_atomic  # noqa: E402
+from fedbench.tasks import load_task  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,12 +62,12 @@ def _poisoned_ids(k: int, p: int, seed: int) -> List[int]:
 
 
 def make_variants(settings: Dict[str, Any], seed: int, clients_pt: Path, out: Path, poisoned: List[int],
-                  attacks: List[str], device) -> Dict[str, Path]:
+                  attacks: List[str], device, cache: Path) -> Dict[str, Path]:
     """Write clean.pt (honest clients only) and <attack>.pt (P uploads replaced) next to the cache."""
     import torch
+    from torch.utils.data import DataLoader, TensorDataset
 
     from fedml_fedmitr.core.client import train_client
-    from fedml_fedmitr.core.partition import partition
 
     blob = torch.load(str(clients_pt), map_location="cpu", weights_only=True)
     paths = {"clean": out / "clean.pt"}
@@ -71,12 +78,8 @@ def make_variants(settings: Dict[str, Any], seed: int, clients_pt: Path, out: Pa
     out.mkdir(parents=True, exist_ok=True)
     uploads = blob["uploads"]
     torch.save(dict(blob, uploads=[u for u in uploads if u["client_id"] not in poisoned]), str(paths["clean"]))
-    data = compare.load_task(settings)
-    n = data["num_classes"]
-    x, y = data["train"]
-    shards = partition(y.numpy(), settings["clients"], settings["partition"], seed,
-                       alpha=settings["alpha"] or 0.5, classes_per_client=settings["classes_per_client"] or 1)
-    cfg = compare._client_cfg(settings)
+    dataset, n, _ = load_task(settings, seed, cache)
+    cfg = jobs._client_cfg(settings)
     for attack in attacks:
         bad = []
         for u in uploads:
@@ -86,30 +89,32 @@ def make_variants(settings: Dict[str, Any], seed: int, clients_pt: Path, out: Pa
                 continue
             if attack == "random":
                 torch.manual_seed(50_000 + 100 * seed + k)
-                model = compare.build_model(settings, n)      # fresh random weights, not the shared init
+                model = jobs.build_model(settings, n)      # fresh random weights, not the shared init
                 state = {name: v.detach().clone() for name, v in model.state_dict().items()}
                 bad.append(dict(u, state_dict=state))
             else:  # flip: honest training on labels C - 1 - y
-                model = compare.build_model(settings, n)
+                model = jobs.build_model(settings, n)
                 model.load_state_dict(blob["init_state"])
-                idx = torch.from_numpy(shards[k])
+                x, y = dataset[5][k].dataset.tensors      # the client's own shard, labels flipped
                 torch.manual_seed(seed * 1000 + k)
-                up = train_client(k, model, compare._loader(x[idx], n - 1 - y[idx], cfg.batch_size, True,
-                                                            seed * 1000 + k), cfg, device, n)
+                loader = DataLoader(TensorDataset(x, n - 1 - y), batch_size=cfg.batch_size, shuffle=True,
+                                    generator=torch.Generator().manual_seed(seed * 1000 + k))
+                up = train_client(k, model, loader, cfg, device, n)
                 bad.append(up.to_payload())
         torch.save(dict(blob, uploads=bad), str(paths[attack]))
     return paths
 
 
-def run_row(settings, seed, method, clients: Path, server_over: Dict[str, Any], out: Path, log: Path) -> Dict:
+def run_row(settings, seed, method, clients: Path, server_over: Dict[str, Any], out: Path, log: Path,
+            cache: Path) -> Dict:
     """One server run in its own process (compare.py's worker), cached in ``out``."""
-    cached = compare.read_json(out)
+    cached = read_json(out)
     if cached and cached.get("ok"):
         return cached
     job = {"kind": "method", "settings": dict(settings, server=dict(settings["server"], **server_over)),
-           "seed": seed, "method": method, "clients": str(clients), "out": str(out)}
+           "seed": seed, "method": method, "clients": str(clients), "out": str(out), "cache": str(cache)}
     spec = out.with_suffix(".job.json")
-    compare.write_json_atomic(spec, job)
+    write_json_atomic(spec, job)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh:
         rc = subprocess.call([sys.executable, str(HERE / "compare.py"), "--worker", str(spec)],
@@ -121,12 +126,12 @@ def run_row(settings, seed, method, clients: Path, server_over: Dict[str, Any], 
 
 def main(argv=None) -> int:
     own, rest = _parser().parse_known_args(argv)
-    cargs = compare.build_parser().parse_args(rest + ["--methods", own.method, "--no-central"])
-    settings = compare.build_settings(cargs)
+    cargs = build_parser().parse_args(rest + ["--methods", own.method, "--no-central", "--no-references"])
+    settings = build_settings(cargs)
     import torch
     torch.set_num_threads(int(cargs.threads))
     device = torch.device(cargs.device)
-    cache = Path(cargs.cache_dir)
+    cache = Path(cargs.cache_dir).resolve()
     plan = compare.plan(settings, cache)
     k, p = settings["clients"], own.poisoned
     if not 0 < p < k / 2:
@@ -142,15 +147,19 @@ def main(argv=None) -> int:
         clients_pt = d / "clients.pt"
         if not clients_pt.exists():
             print(f"training the {k} honest clients of seed {seed} ...", flush=True)
-            compare.job_clients({"settings": settings, "seed": seed, "checkpoint": str(clients_pt)}, device)
+            if settings["backbone"] == "pretrained":
+                raise SystemExit("poison.py trains scratch clients itself; for a pretrained backbone run "
+                                 "compare.py with the same options first (it caches the clients)")
+            jobs.job_clients({"settings": settings, "seed": seed, "checkpoint": str(clients_pt), "cache": str(cache)},
+                             device)
         bad_ids = _poisoned_ids(k, p, seed)
-        pdir = d / f"poison-{compare.stable_hash({'ids': bad_ids, 'attacks': sorted(own.attacks)})}"
-        paths = make_variants(settings, seed, clients_pt, pdir, bad_ids, own.attacks, device)
-        skey = compare.stable_hash({"server": settings["server"], "method": own.method})
+        pdir = d / f"poison-{stable_hash({'ids': bad_ids, 'attacks': sorted(own.attacks)})}"
+        paths = make_variants(settings, seed, clients_pt, pdir, bad_ids, own.attacks, device, cache)
+        skey = stable_hash({"server": settings["server"], "method": own.method})
         for row in rows:
             data, _, defence = row.partition("+")
             res = run_row(settings, seed, own.method, paths[data], over.get(defence, {}),
-                          pdir / f"server-{skey}" / f"{row}.json", pdir / "logs" / f"{row}-{skey}.log")
+                          pdir / f"server-{skey}" / f"{row}.json", pdir / "logs" / f"{row}-{skey}.log", cache)
             scr = (res.get("screening") or {})
             res = dict(res, poisoned_ids=bad_ids if data != "clean" else [],
                        dropped=sorted(int(c) for c in (scr.get("dropped") or {})))
@@ -168,14 +177,14 @@ def main(argv=None) -> int:
                         "dropped": [per_seed[row][s]["dropped"] for s in settings["seed"]],
                         "ensemble_acc": [per_seed[row][s]["ensemble_acc"] for s in settings["seed"]],
                         "screening": [per_seed[row][s].get("screening") for s in settings["seed"]]})
-    name = cargs.name or "poison_" + compare.setting_name(settings, cargs).replace("compare_", "", 1)
+    name = cargs.name or "poison_" + setting_name(settings, cargs).replace("compare_", "", 1)
     command = "python benchmarks/poison.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    result = {"settings": settings, "method": own.method, "poisoned": p, "attacks": own.attacks,
+    result = {"settings": portable_settings(settings), "method": own.method, "poisoned": p, "attacks": own.attacks,
               "defences": own.defences, "records": records, "command": command,
               "wall_s": time.perf_counter() - t0}
     res_dir = Path(cargs.results_dir)
     res_dir.mkdir(parents=True, exist_ok=True)
-    compare.write_json_atomic(res_dir / f"{name}.json", result)
+    write_json_atomic(res_dir / f"{name}.json", result)
     lines = [f"## {name}", "",
              f"{settings['data_name']}, K={k} clients ({p} poisoned, chosen per seed), partition "
              f"{settings['partition']} alpha {settings['alpha']}, method {own.method}, seeds {settings['seed']}. "

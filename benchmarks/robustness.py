@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -41,8 +40,12 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (str(ROOT), str(ROOT / "benchmarks")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from fedbench.stats import paired  # noqa: E402
+
 SHARED = ROOT.parent / "shared" / "data"
 CACHE = ROOT / "benchmarks" / "cache" / "robust"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -288,49 +291,6 @@ def core_version() -> str:
     return h.hexdigest()[:12]
 
 
-def real_pool_method(base_name: str, images):
-    """FedMITR's method ``base_name`` with its synthesis replaced by ``images`` (real, unlabelled): each
-    image labelled by the ensemble's argmax, its foreground the top attention patches, as many as the
-    sparse schedule keeps."""
-    import torch
-
-    from fedml_fedmitr.core.inversion import SparseModelInversion, SyntheticBatch, SyntheticPool
-    from fedml_fedmitr.core.methods import get_method
-
-    class RealPool(get_method(base_name)):
-        def synthesize(self, ctx):
-            inv = SparseModelInversion(self.ensemble, self.config, ctx.input_shape, ctx.mean, ctx.std, ctx.device)
-            fraction = self.config.keep_fraction(inv.num_patches)
-            pool, bs = SyntheticPool(), self.config.synthesis_batch_size
-            for i in range(0, len(images), bs):
-                x = images[i:i + bs].to(ctx.device)
-                with torch.no_grad():
-                    y = self.ensemble(x).argmax(1)
-                pool.add(SyntheticBatch(x, y, inv.attention_mask(x, fraction)))
-            return pool
-
-    return RealPool
-
-
-def attention_probe(ensemble, loader, k: int, seed: int) -> Dict[str, Any]:
-    """The ensemble's accuracy on real test images seen through only k patches: the k of highest
-    last-block CLS attention (on the full image), k random ones, and the k lowest."""
-    import torch
-    gen = torch.Generator().manual_seed(seed)
-    hits = {"top_k": 0, "random_k": 0, "bottom_k": 0}
-    total = 0
-    with torch.no_grad():
-        for x, y in loader:
-            _, attn = ensemble(x, None, return_attn=True)
-            n = attn.shape[1]
-            order = attn.argsort(dim=1, descending=True)
-            rand = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(len(y))])
-            for name, idx in (("top_k", order[:, :k]), ("random_k", rand), ("bottom_k", order[:, -k:])):
-                hits[name] += int((ensemble(x, idx.sort(dim=1).values).argmax(1) == y).sum())
-            total += len(y)
-    return dict({name: v / total for name, v in hits.items()}, k=k, num_patches=n)
-
-
 def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods: Sequence[str],
                   split: str = "test", cached_only: bool = False) -> Dict[str, Any]:
     """Clients, then every method on the same uploads; returns the record of (cell, seed)."""
@@ -340,9 +300,11 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
     from fedml_fedmitr.core.ensemble import Ensemble
     from fedml_fedmitr.core.evaluate import evaluate_model
     from fedml_fedmitr.core.inversion import indices_of
-    from fedml_fedmitr.core.methods import Callbacks, ServerContext, get_method
+    from fedml_fedmitr.core.methods import ServerContext, get_method
     from fedml_fedmitr.data import load_data
     from fedml_fedmitr.fedml_adapter.model import create_model
+
+    from fedbench.references import CurveRecorder, attention_probe, probe_k, real_images, real_pool_method
 
     device = torch.device("cpu")
     cell = CELLS[cell_name]
@@ -375,17 +337,8 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
 
     from fedml_fedmitr.core.config import FedMITRConfig as _Cfg
     grid = create_model(args, n).patch_embed.grid_size
-    k = _Cfg.from_dict(dict(BUDGET, **overrides), where="robustness").keep_counts(int(grid[0] * grid[1]))[-1]
+    k = probe_k(_Cfg.from_dict(dict(BUDGET, **overrides), where="robustness"), grid[0] * grid[1])
     record["attention_probe"] = attention_probe(ens, test, k, seed)
-
-    class Recorder(Callbacks):
-        def __init__(self):
-            super().__init__(progress=False)
-            self.curve = []
-
-        def metric(self, name, value, step):
-            if name == "distill/test_acc":
-                self.curve.append(float(value))
 
     for name in methods:
         key_cfg = dict(BUDGET, **overrides, progress=False, save_images=False)
@@ -397,16 +350,13 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
         if cached_only:
             continue
         cfg = FedMITRConfig.from_dict(dict(key_cfg, eval_every=1), where="robustness")
-        rec = Recorder()
+        rec = CurveRecorder()
         ctx = ServerContext(model_fn=model_fn, num_classes=n, input_shape=info.input_shape, mean=info.mean,
                             std=info.std, device=device, eval_loader=test, callbacks=rec, seed=seed,
                             pretrained_state=init if cell.get("backbone") else None,
                             client_augment=client_train.augment, client_flip=client_train.flip)
         if name in REFERENCES:
-            g = torch.Generator().manual_seed(seed)
-            x_real = dataset[2].dataset.tensors[0]
-            x_real = x_real[torch.randperm(len(x_real), generator=g)[:cfg.num_synthetic]]
-            method = real_pool_method(REFERENCES[name], x_real)(cfg)
+            method = real_pool_method(REFERENCES[name], real_images(dataset[2].dataset, cfg.num_synthetic, seed))(cfg)
         else:
             method = get_method(name)(cfg)
         seen = {}
@@ -463,19 +413,6 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
 # ---------------------------------------------------------------------------------------------
 def _mean(v: Sequence[float]) -> float:
     return sum(v) / len(v)
-
-
-def paired(diffs: Sequence[float]) -> Dict[str, Any]:
-    """Mean of paired differences (FedMITR minus a method, per seed) in accuracy points, with the
-    95% confidence interval of the t distribution (none for a single seed)."""
-    pts = [100.0 * d for d in diffs]
-    out: Dict[str, Any] = {"per_seed": pts, "mean_diff": _mean(pts) if pts else None, "ci95": None}
-    if len(pts) >= 2:
-        from scipy.stats import t
-        sd = math.sqrt(sum((v - out["mean_diff"]) ** 2 for v in pts) / (len(pts) - 1))
-        half = t.ppf(0.975, len(pts) - 1) * sd / math.sqrt(len(pts))
-        out["ci95"] = [out["mean_diff"] - half, out["mean_diff"] + half]
-    return out
 
 
 def summarise(records: List[Dict[str, Any]], cells: Sequence[str], seeds: Sequence[int],

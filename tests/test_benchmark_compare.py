@@ -4,6 +4,7 @@ The first invocation trains the clients and the central model and runs each meth
 child process; the second must reuse everything from the cache (no retraining)."""
 import importlib.util
 import json
+import math
 import sys
 import time
 
@@ -47,18 +48,24 @@ def test_compare_smoke_schema_table_and_cached_clients(procs, tmp_home, tmp_path
     # ---- settings ----
     st = result["settings"]
     for key in ("dataset", "partition", "alpha", "clients", "seed", "backbone", "scale", "model", "client_train",
-                "central_train", "server", "budget", "student_init"):
+                "central_train", "server", "budget", "budget_detail", "student_init", "num_test", "split"):
         assert key in st, key
     assert (st["dataset"], st["partition"], st["alpha"], st["clients"], st["seed"], st["backbone"], st["scale"]) == \
         ("digits", "hetero", 0.5, 3, [0], "scratch", "tiny")
-    assert st["server"]["num_synthetic"] == st["budget"]["synthetic_images"]
+    assert st["budget"] == "queries" and st["split"] == "test"
+    assert st["server"]["num_synthetic"] == st["budget_detail"]["synthetic_images"]
     assert st["server"]["gen_epochs"] * st["server"]["gen_batch_size"] >= st["server"]["num_synthetic"]
-    assert "how" in st["budget"]
+    assert "how" in st["budget_detail"]
     assert "compare.py" in result["command"] and "--scale tiny" in result["command"]
+    # the plugin's data path: digits split 80/20 by the seed, as `python -m fedml_fedmitr` does
+    assert st["num_test"] == 360
+    # no absolute path of this machine in the result file (but the command line as typed)
+    assert str(ROOT) not in json_path.read_text()
+    assert str(tmp_path) not in json.dumps({k: v for k, v in result.items() if k not in ("command", "argv")})
 
-    # ---- records: every requested method, then the two references ----
+    # ---- records: every requested method, the ensemble and central model, then the KD-real rows ----
     records = {r["method"]: r for r in result["records"]}
-    assert [r["method"] for r in result["records"]] == METHODS + ["Ensemble", "Central"]
+    assert [r["method"] for r in result["records"]] == METHODS + ["Ensemble", "Central", "KD-real", "KD-real-plain"]
     numeric = ["test_acc", "ensemble_acc", "client_acc_mean", "synthesis_s", "images_per_s", "distill_s",
                "peak_rss_mb"]
     for m in METHODS:
@@ -69,9 +76,27 @@ def test_compare_smoke_schema_table_and_cached_clients(procs, tmp_home, tmp_path
         assert 0.0 <= r["test_acc"] <= 1.0 and 0.0 <= r["ensemble_acc"] <= 1.0
         assert r["peak_rss_mb"] > 50
         assert "errors" not in r
+    # learning curve (one accuracy per distillation epoch) and start of the distilled rows
+    for m in ("FedMITR", "KD-real", "KD-real-plain"):
+        assert len(records[m]["curve"]["0"]) == st["server"]["distill_epochs"], m
+        assert 0.0 <= records[m]["start_acc"] <= 1.0
+    # the students start from the same one-shot FedAvg model
+    assert records["FedMITR"]["start_acc"] == pytest.approx(records["OneShotFedAvg"]["test_acc"])
+    assert records["KD-real"]["start_acc"] == pytest.approx(records["OneShotFedAvg"]["test_acc"])
+    assert records["KD-real"]["kind"] == "reference" and records["KD-real"]["num_synthetic"] == st["server"]["num_synthetic"]
+    # paired differences to FedMITR (one seed: no interval)
+    d = records["OneShotFedAvg"]["paired_vs_fedmitr"]
+    assert d["per_seed"] == [pytest.approx(100 * (records["FedMITR"]["test_acc"] - records["OneShotFedAvg"]["test_acc"]))]
+    assert d["ci95"] is None and records["FedMITR"]["paired_vs_fedmitr"] is None
+    refs = result["references"]
+    assert refs["kd_real"]["test_acc"] == pytest.approx(records["KD-real"]["test_acc"])
+    assert refs["kd_real_plain"]["test_acc_per_seed"] == [pytest.approx(records["KD-real-plain"]["test_acc"])]
+    probe = refs["attention_probe"]
+    assert probe["num_patches"] == 16 and 1 <= probe["k"] < 16
+    assert all(0.0 <= probe[k] <= 1.0 for k in ("top_k", "random_k", "bottom_k"))
     assert records["FedMITR"]["num_synthetic"] == st["server"]["num_synthetic"]
     assert records["FedMITR"]["synthesis_s"] > 0 and records["FedMITR"]["images_per_s"] > 0
-    assert records["FedMITR"]["ensemble_queries"] >= st["budget"]["synthesis_ensemble_queries"]
+    assert records["FedMITR"]["ensemble_queries"] >= st["budget_detail"]["synthesis_ensemble_queries"]
     assert records["OneShotFedAvg"]["num_synthetic"] == 0
     # the same client models under every method: the same ensemble accuracy
     assert records["FedMITR"]["ensemble_acc"] == pytest.approx(records["Ensemble"]["test_acc"])
@@ -83,8 +108,9 @@ def test_compare_smoke_schema_table_and_cached_clients(procs, tmp_home, tmp_path
     md = md_path.read_text()
     assert "| method | test acc (%) | ensemble acc (%) | mean client acc (%) | synthesis (s) | images/s | " \
            "distillation (s) | peak memory (MB) |" in md
-    for name in METHODS + ["Ensemble (reference)", "Central (reference)"]:
+    for name in METHODS + ["Ensemble (reference)", "Central (reference)", "KD-real (reference)"]:
         assert f"| {name} |" in md
+    assert "| OneShotFedAvg | " in md.split("FedMITR minus each row")[1] and "Attention probe" in md
     assert "| FedMITR |" in out
 
     # ---- second invocation: nothing retrained ----
@@ -134,35 +160,51 @@ def test_budget_matching_and_seed_aggregation():
     table = cmp.markdown({"name": "x", "command": "python benchmarks/compare.py", "records": rows, "settings": {
         "partition": "hetero", "alpha": 0.5, "classes_per_client": None, "seed": [0, 1, 2], "data_name": "digits",
         "num_classes": 10, "clients": 3, "backbone": "scratch", "scale": "tiny", "student_init": "fedavg",
-        "model": {"name": "m", "img_size": 16, "patch_size": 4},
-        "budget": {"synthetic_images": 1, "synthesis_ensemble_queries": 1, "distill_steps": 1,
-                   "distill_batch_size": 1}}})
+        "model": {"name": "m", "img_size": 16, "patch_size": 4}, "budget": "queries",
+        "budget_detail": {"synthetic_images": 1, "synthesis_ensemble_queries": 1, "distill_steps": 1,
+                          "distill_batch_size": 1}}})
     assert "| FedMITR (failed: seed 1) | 60.0 ± 10.0 | 50.0 / - / 70.0 |" in table
     assert "| method | test acc (%) | per seed | ensemble acc (%) |" in table
+
+    # paired differences: FedMITR minus a method over the seeds both ran, with a t interval
+    per_seed = {"FedMITR": {0: {"test_acc": 0.50}, 1: {"test_acc": 0.60}, 2: {"test_acc": 0.70}},
+                "DENSE": {0: {"test_acc": 0.40}, 1: {"test_acc": 0.55}, 2: {"test_acc": 0.62}}}
+    rows = {r["method"]: r for r in cmp.aggregate_rows(per_seed, ["FedMITR", "DENSE"], [0, 1, 2], {})}
+    d = rows["DENSE"]["paired_vs_fedmitr"]
+    assert d["per_seed"] == [pytest.approx(10.0), pytest.approx(5.0), pytest.approx(8.0)]
+    assert d["mean_diff"] == pytest.approx(23 / 3)
+    half = 4.302653 * math.sqrt(((10 - 23 / 3) ** 2 + (5 - 23 / 3) ** 2 + (8 - 23 / 3) ** 2) / 2) / math.sqrt(3)
+    assert d["ci95"] == [pytest.approx(23 / 3 - half, abs=1e-3), pytest.approx(23 / 3 + half, abs=1e-3)]
+    assert d["ci95"][0] > 0     # FedMITR higher on every seed, by enough: the order holds
 
 
 def _job(cmp, tmp_path, name):
     return cmp.Job("method", name, tmp_path / "server" / f"{name}.json", {"method": name}, tmp_path / f"{name}.log")
 
 
-def _other_process(seconds=60):
+def _hold_lock(job, seconds=60):
+    """Another process holding ``job``'s lock (as a second compare.py running it would)."""
     import subprocess
-    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+    job.out.parent.mkdir(parents=True, exist_ok=True)
+    p = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from filelock import FileLock; "
+        f"l = FileLock({str(job.out.with_name(job.out.stem + '.lock'))!r}); l.acquire(); "
+        "print('held', flush=True); time.sleep(float(sys.argv[1]))"), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
 
 
 def test_claims_keep_two_processes_off_the_same_job(tmp_path):
-    """A job claimed by another live process is skipped (then waited for); a dead holder's claim is taken."""
+    """A job locked by another live process is skipped (then waited for); when that process dies
+    without releasing it, the OS frees the lock and the job is taken."""
     import argparse
     import os
-    import socket
     cmp = load_compare()
     a, b = _job(cmp, tmp_path, "A"), _job(cmp, tmp_path, "B")
-    other = _other_process()
+    other = _hold_lock(a)
     try:
-        cmp.claim_path(a).parent.mkdir(parents=True)
-        cmp.claim_path(a).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(), "since": "t"}))
         owner = cmp.try_claim(a)
-        assert owner is not None and f"pid {other.pid}" in owner
+        assert owner is not None and "A.lock" in owner
         assert cmp.try_claim(b) is None
         assert json.loads(cmp.claim_path(b).read_text())["pid"] == os.getpid()
         assert cmp.try_claim(b) is None            # our own claim stays ours
@@ -179,37 +221,35 @@ def test_claims_keep_two_processes_off_the_same_job(tmp_path):
         a.out.write_text(json.dumps({"ok": True, "test_acc": 0.5}))
         assert runner._pick(queue) is a and a.cached and a.result["test_acc"] == 0.5 and queue == []
         assert runner._pick(queue) is None
+        cmp.release_claim(b)
     finally:
         other.kill()
         other.wait()
 
-    # the holder died without releasing its claim: the claim is stale and taken over
+    # the holder was killed without releasing: nothing stale is left behind, the job is free
     c = _job(cmp, tmp_path, "C")
-    cmp.claim_path(c).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(), "since": "t"}))
+    holder = _hold_lock(c)
+    assert cmp.try_claim(c) is not None
+    holder.kill()
+    holder.wait()
     assert cmp.try_claim(c) is None
-    assert json.loads(cmp.claim_path(c).read_text())["pid"] == os.getpid()
-    # a claim on another host cannot be checked: it is respected, and the message says how to take it
-    d = _job(cmp, tmp_path, "D")
-    cmp.claim_path(d).write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "t"}))
-    owner = cmp.try_claim(d)
-    assert "host elsewhere" in owner and str(cmp.claim_path(d)) in owner
-    cmp.release_claim(d)                           # not ours: left alone
-    assert cmp.claim_path(d).exists()
+    cmp.release_claim(c)
 
 
 def test_run_all_waits_for_a_job_another_process_runs(tmp_path):
     """run_all runs the free job, then waits for the claimed one until its record appears, and runs
     nothing twice (the 'other process' writes the record and exits)."""
     import argparse
-    import socket
     import subprocess
     cmp = load_compare()
     a, b = _job(cmp, tmp_path, "A"), _job(cmp, tmp_path, "B")
+    a.out.parent.mkdir(parents=True)
     writer = subprocess.Popen([sys.executable, "-c", (
-        "import json, sys, time; time.sleep(2); "
-        f"open({str(a.out)!r}, 'w').write(json.dumps({{'ok': True, 'test_acc': 0.25}}))")])
-    cmp.claim_path(a).parent.mkdir(parents=True)
-    cmp.claim_path(a).write_text(json.dumps({"pid": writer.pid, "host": socket.gethostname(), "since": "t"}))
+        "import json, sys, time; from filelock import FileLock; "
+        f"l = FileLock({str(a.out.with_name('A.lock'))!r}); l.acquire(); print('held', flush=True); time.sleep(2); "
+        f"open({str(a.out)!r}, 'w').write(json.dumps({{'ok': True, 'test_acc': 0.25}}))")], stdout=subprocess.PIPE,
+        text=True)
+    assert writer.stdout.readline().strip() == "held"
     args = argparse.Namespace(jobs=2, force=False, report_only=False, no_progress=True, threads=1, job_timeout=0)
     runner = cmp.Runner({}, args, total=2)
     runner.poll_s = 0.2
@@ -228,3 +268,34 @@ def test_run_all_waits_for_a_job_another_process_runs(tmp_path):
     assert ran == ["B"]
     assert a.cached and a.result["test_acc"] == 0.25 and b.result["test_acc"] == 0.75
     assert not cmp.claim_path(b).exists()          # released after the run
+
+
+def test_time_budget_turns_the_reference_seconds_into_images(tmp_path):
+    """--budget time: every synthesis method gets the seconds the reference took at the query budget,
+    as many images (whole batches) as its own measured speed makes in them; the KD-real rows as many
+    real images as FedMITR; a method without synthesis is unchanged (its query-budget record reused)."""
+    cmp = load_compare()
+    server = dict(num_synthetic=40, synthesis_batch_size=20, inversion_iters=10, distill_epochs=2,
+                  distill_batch_size=20, gen_epochs=2, gen_batch_size=20, gen_steps=10, gen_kd_steps=2)
+    settings = {"methods": ["FedMITR", "DeepInversion", "DENSE", "OneShotFedAvg"], "references": ["KD-real"],
+                "time_reference": "DeepInversion", "server": server, "server_explicit": [], "threads_per_job": 1}
+    timings = {"FedMITR": 2.5, "DeepInversion": 10.0, "DENSE": 20.0, "OneShotFedAvg": 0.0, "KD-real": 0.1}
+    jobs = {}
+    for m, sec in timings.items():
+        jobs[m] = _job(cmp, tmp_path, m)
+        jobs[m].result = {"ok": True, "synthesis_s": sec, "num_synthetic": 0 if m == "OneShotFedAvg" else 40}
+    jobs["clients"] = cmp.Job("clients", "clients", tmp_path / "clients.json", {"checkpoint": "c.pt"}, tmp_path / "c.log")
+    plan = {"seeds": {0: {"dir": tmp_path, "jobs": jobs}}}
+    out = cmp.time_budget_jobs(settings, plan, 0)
+    images = {m: out[m].spec["server_override"].get("num_synthetic") for m in settings["methods"] + ["KD-real"]}
+    assert images == {"FedMITR": 160, "DeepInversion": 40, "DENSE": 20, "OneShotFedAvg": None, "KD-real": 160}
+    assert out["DENSE"].spec["server_override"]["gen_batch_size"] == 10      # 2 generator epochs x 10 images
+    assert out["FedMITR"].spec["server_override"]["gen_kd_steps"] == 8       # 2 epochs x 8 batches, over 2
+    assert out["_budget"] == {"seconds": 10.0, "images": {"FedMITR": 160, "DeepInversion": 40, "DENSE": 20}}
+    # the reference's own time-budget job is its query-budget job (same knobs, same record path)
+    skey = cmp.server_key(dict(settings, server=server))
+    assert out["DeepInversion"].out.parent.name == f"server-{skey}"
+    assert out["OneShotFedAvg"].out.parent.name == f"server-{skey}"
+    jobs["DeepInversion"].result = None
+    with pytest.raises(RuntimeError, match="DeepInversion"):
+        cmp.time_budget_jobs(settings, plan, 0)
