@@ -105,6 +105,8 @@ def plan(settings: Dict[str, Any], cache: Path) -> Dict[str, Any]:
                                {"checkpoint": str(d / "clients.pt")}, d / "logs" / "clients.log")}
         if settings["central"]:
             jobs["central"] = Job("central", f"Central seed {seed}", d / "central.json", {}, d / "logs" / "central.log")
+        jobs["Ensemble"] = Job("ensemble", f"Ensemble seed {seed}", d / f"server-{skey}" / "Ensemble.json", {},
+                               d / "logs" / f"Ensemble-{skey}.log")
         for m in settings["methods"] + settings["references"]:
             jobs[m] = Job("method", f"{m} seed {seed}", d / f"server-{skey}" / f"{m}.json", {"method": m},
                           d / "logs" / f"{m}-{skey}.log")
@@ -187,8 +189,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     errors.setdefault(m, {})[seed] = (NOT_RUN if jobs["clients"].error == NOT_RUN
                                                       else "client training failed")
                     runner.bar.update(1)
+                runner.bar.update(1)
                 continue
-            second += [jobs[m] for m in rows]
+            second += [jobs["Ensemble"]] + [jobs[m] for m in rows]
         runner.run_all(second, "server methods" + (" (query budget)" if settings["budget"] == "time" else ""))
         if settings["budget"] == "time":
             third = []
@@ -221,11 +224,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             continue
         clients_info[str(seed)] = {k: cl.get(k) for k in ("client_acc", "client_samples", "client_label_counts",
                                                           "train_s", "peak_rss_mb", "init", "num_test")}
-        if cl.get("attention_probe"):
-            probes[seed] = cl["attention_probe"]
-        per_seed.setdefault("Ensemble", {})[seed] = {
-            "test_acc": cl["ensemble_acc"], "ensemble_acc": cl["ensemble_acc"],
-            "client_acc_mean": cl["client_acc_mean"]}
+        ens = jobs["Ensemble"].result
+        if ens is None:
+            errors.setdefault("Ensemble", {})[seed] = jobs["Ensemble"].error or "missing"
+        else:
+            probes[seed] = ens["attention_probe"]
+            per_seed.setdefault("Ensemble", {})[seed] = {
+                "test_acc": ens["test_acc"], "ensemble_acc": ens["test_acc"], "client_acc_mean": cl["client_acc_mean"]}
         source = time_jobs.get(seed, jobs) if settings["budget"] == "time" else jobs
         for m in rows:
             job = source.get(m)

@@ -103,16 +103,14 @@ def _model_fn(settings, n, init):
 
 
 def job_clients(job: Dict[str, Any], device) -> Dict[str, Any]:
-    """The K clients of a seed, each trained on its shard of the plugin's partition; then the
-    ensemble's test accuracy and the attention probe."""
+    """The K clients of a seed, each trained on its shard of the plugin's partition (and, for the
+    log, the accuracy of their plain mean ensemble)."""
     import torch
 
     from fedml_fedmitr.core.client import train_client
     from fedml_fedmitr.core.config import FedMITRConfig
     from fedml_fedmitr.core.ensemble import Ensemble
     from fedml_fedmitr.core.evaluate import evaluate_ensemble, evaluate_model
-
-    from .references import attention_probe, probe_k
 
     settings, seed = job["settings"], int(job["seed"])
     dataset, n, info = load_task(settings, seed, _cache(job))
@@ -132,23 +130,48 @@ def job_clients(job: Dict[str, Any], device) -> Dict[str, Any]:
         uploads.append(up)
         print(f"client {k}: {up.num_samples} samples, labels {up.label_counts}, test acc {accs[-1]:.3f}, "
               f"{times[-1]:.0f} s", flush=True)
-    server_cfg = FedMITRConfig.from_dict(dict(settings["server"], progress=False), where="settings.server")
-    ens = Ensemble.from_uploads(uploads, model_fn, n, server_cfg, device)
+    ens = Ensemble.from_uploads(uploads, model_fn, n, FedMITRConfig(), device)
     ens_acc = evaluate_ensemble(ens, test, device, n)["acc"]
-    grid = model_fn().patch_embed.grid_size
-    probe = attention_probe(ens, test, probe_k(server_cfg, grid[0] * grid[1]), seed)
     path = Path(job["checkpoint"])
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"init_state": init, "uploads": [u.to_payload() for u in uploads], "client_acc": accs,
                 "ensemble_acc": ens_acc}, str(path.with_suffix(".tmp")))
     os.replace(path.with_suffix(".tmp"), path)
-    print(f"trained {len(uploads)} clients from {what}; ensemble acc {ens_acc:.3f}; attention probe "
-          f"top/random/bottom-{probe['k']} {probe['top_k']:.3f} / {probe['random_k']:.3f} / {probe['bottom_k']:.3f}")
+    print(f"trained {len(uploads)} clients from {what}; mean-logit ensemble acc {ens_acc:.3f}")
     return {"checkpoint": str(path), "init": what, "client_acc": accs, "client_acc_mean": sum(accs) / len(accs),
-            "ensemble_acc": ens_acc, "client_samples": [u.num_samples for u in uploads],
+            "mean_ensemble_acc": ens_acc, "client_samples": [u.num_samples for u in uploads],
             "client_label_counts": [u.label_counts for u in uploads], "client_train_s": times,
             "train_s": sum(times), "num_test": int(dataset[1]), "num_train": int(dataset[0]),
-            "mean": info.mean, "std": info.std, "attention_probe": probe}
+            "mean": info.mean, "std": info.std}
+
+
+def job_ensemble(job: Dict[str, Any], device) -> Dict[str, Any]:
+    """The teacher every method distils, as the server's knobs build it (``ensemble_weighting``,
+    ``ensemble_aggregate``): its test accuracy and the attention probe (k = FedMITR's kept patches)."""
+    import torch
+
+    from fedml_fedmitr.core.config import FedMITRConfig
+    from fedml_fedmitr.core.ensemble import Ensemble
+    from fedml_fedmitr.core.evaluate import evaluate_ensemble
+    from fedml_fedmitr.core.methods import ClientUpload
+
+    from .references import attention_probe, probe_k
+
+    settings, seed = job["settings"], int(job["seed"])
+    dataset, n, _ = load_task(settings, seed, _cache(job))
+    blob = torch.load(job["clients"], map_location="cpu", weights_only=True)
+    uploads = [ClientUpload.from_payload(p) for p in blob["uploads"]]
+    model_fn = _model_fn(settings, n, blob["init_state"])
+    cfg = FedMITRConfig.from_dict(dict(settings["server"], progress=False), where="settings.server")
+    ens = Ensemble.from_uploads(uploads, model_fn, n, cfg, device)
+    acc = evaluate_ensemble(ens, dataset[3], device, n)["acc"]
+    grid = model_fn().patch_embed.grid_size
+    probe = attention_probe(ens, dataset[3], probe_k(cfg, grid[0] * grid[1]), seed)
+    print(f"ensemble ({cfg.ensemble_weighting} weights, {cfg.ensemble_aggregate}) seed {seed}: test acc {acc:.3f}; "
+          f"attention probe top/random/bottom-{probe['k']} of {probe['num_patches']}: {probe['top_k']:.3f} / "
+          f"{probe['random_k']:.3f} / {probe['bottom_k']:.3f}")
+    return {"test_acc": acc, "ensemble_acc": acc, "attention_probe": probe,
+            "weighting": cfg.ensemble_weighting, "aggregate": cfg.ensemble_aggregate}
 
 
 def job_central(job: Dict[str, Any], device) -> Dict[str, Any]:
@@ -256,7 +279,8 @@ def job_method(job: Dict[str, Any], device) -> Dict[str, Any]:
     return out
 
 
-JOBS = {"pretrain": job_pretrain, "clients": job_clients, "central": job_central, "method": job_method}
+JOBS = {"pretrain": job_pretrain, "clients": job_clients, "central": job_central, "ensemble": job_ensemble,
+        "method": job_method}
 
 
 def worker_main(job_path: str) -> int:
