@@ -50,3 +50,29 @@ def test_robust_aggregates_resist_one_outlier():
     assert ens.combine(logits)[0, 0] == 1.0
     ens.aggregate, ens.trim_fraction = "trimmed_mean", 0.2
     assert ens.combine(logits)[0, 0] == 1.0
+
+
+def test_label_prior_calibration_stops_a_one_class_client_voting_for_it_everywhere():
+    """ensemble_calibration: label_prior subtracts each client's log label prior from its logits before
+    they are combined: a client that saw only class 0 (and answers 0 for everything) no longer outvotes
+    a client that knows the image's class; the offsets follow the clients through subset()."""
+    import torch
+
+    from fedml_fedmitr.core.config import FedMITRConfig
+    from fedml_fedmitr.core.ensemble import Ensemble, label_prior_offsets
+
+    counts = [[98, 1, 1], [10, 45, 45]]
+    off = label_prior_offsets(counts, 3)
+    assert off.shape == (2, 3)
+    assert torch.allclose(off.exp().sum(1), torch.ones(2))
+    assert off[0, 0] > off[0, 1] and off[1, 1] == off[1, 2]
+    # logits (K=2, B=1, C=3): client 0 says "class 0" loudly, client 1 says "class 1"
+    logits = torch.tensor([[[5.0, 0.0, 0.0]], [[0.0, 3.0, 0.0]]])
+    plain = Ensemble.__new__(Ensemble)
+    plain.weights, plain.aggregate, plain.offsets = torch.full((2, 3), 0.5), "mean", None
+    assert plain.combine(logits).argmax(1).item() == 0
+    calibrated = Ensemble.__new__(Ensemble)
+    calibrated.weights, calibrated.aggregate, calibrated.offsets = torch.full((2, 3), 0.5), "mean", off
+    assert calibrated.combine(logits).argmax(1).item() == 1
+    assert torch.equal(calibrated.calibrated(logits), logits - off.unsqueeze(1))
+    assert FedMITRConfig(ensemble_calibration="label_prior").validate().ensemble_calibration == "label_prior"

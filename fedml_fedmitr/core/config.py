@@ -30,6 +30,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "student_init": ("fedavg", "scratch", "pretrained"),
     "ensemble_weighting": ("mean", "samples", "per_class"),
     "ensemble_aggregate": ("mean", "median", "trimmed_mean"),
+    "ensemble_calibration": ("none", "label_prior"),
     "ensemble_batched": ("auto", "vmap", "loop"),
     "distill_optimizer": ("adamw", "sgd"),
     "foreground_target": ("label", "ensemble"),
@@ -91,6 +92,9 @@ class FedMITRConfig:
     # ---- ensemble of client models ----
     ensemble_weighting: str = "mean"    # "mean", "samples" (by sample count), "per_class"
     ensemble_aggregate: str = "mean"    # "mean", or the robust "median" / "trimmed_mean"
+    ensemble_calibration: str = "none"  # "label_prior": each client's logits minus the log of its own label
+                                        # distribution (add-one smoothed counts) before they are combined, so a
+                                        # client that saw one class stops voting for it on every image
     trim_fraction: float = 0.2          # fraction trimmed at each end for "trimmed_mean"
     ensemble_batched: str = "auto"      # "vmap", "loop", or "auto" (vmap on GPU, loop on CPU)
     autocast: str = "auto"              # bf16 forward passes in inversion and distillation: "auto" (on CUDA
@@ -270,7 +274,8 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
                 "distill_augment"),
     "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "foreground_target",
                      "drift_guard", "guard_fraction", "distill_mixup", "prox_weight"),
-    "ensemble": ("ensemble_weighting", "ensemble_aggregate", "trim_fraction", "ensemble_batched"),
+    "ensemble": ("ensemble_weighting", "ensemble_aggregate", "ensemble_calibration", "trim_fraction",
+                 "ensemble_batched"),
     "screening": ("client_screening", "screening_images", "screening_iters", "screening_z", "screening_min_ratio",
                   "min_clients_after_screening", "synthesis_batch_size"),
     "generator": ("gen_nz", "gen_lr", "gen_steps", "gen_batch_size", "gen_epochs", "gen_adv_weight", "gen_kd_steps",

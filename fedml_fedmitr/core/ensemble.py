@@ -3,7 +3,9 @@
 Weights ``alpha`` (K, C), each column summing to 1:
 - ``mean``: 1/K;  ``samples``: n_k / sum_j n_j;  ``per_class``: n[k, y] / sum_j n[j, y] (FedFTG).
 Robust aggregates (``median``, ``trimmed_mean``) ignore the weights and reduce over clients per
-logit. All K forwards run in one batched call (``torch.func.stack_module_state`` + ``vmap``) or a
+logit. With ``ensemble_calibration: label_prior`` each client's logits are first shifted by minus the
+log of its own (add-one smoothed) label distribution, a post-hoc logit adjustment: a client that
+trained on one class no longer votes for it on every image. All K forwards run in one batched call (``torch.func.stack_module_state`` + ``vmap``) or a
 plain loop; ``auto`` picks vmap on GPU and the loop on CPU, where torch has no vmap rule for its
 attention kernel and the loop measured faster (see ``benchmarks/bench_speed.py``).
 """
@@ -39,6 +41,14 @@ def client_weights(mode: str, num_samples: Sequence[int], label_counts: Sequence
     raise ValueError(f"ensemble_weighting = {mode!r} is invalid: expected 'mean', 'samples' or 'per_class'")
 
 
+def label_prior_offsets(label_counts: Sequence[Sequence[int]], num_classes: int) -> torch.Tensor:
+    """(K, C) log label priors of the clients, add-one smoothed: subtracted from each client's logits."""
+    counts = torch.tensor([[float(c) for c in row] for row in label_counts]) + 1.0
+    if counts.shape[1] != num_classes:
+        raise ValueError(f"label_counts must have {num_classes} classes, got {counts.shape[1]}")
+    return (counts / counts.sum(1, keepdim=True)).log()
+
+
 def same_architecture(models: Sequence[nn.Module]) -> bool:
     """True if every model has the parameters of the first, name by name and shape by shape."""
     first = {k: tuple(v.shape) for k, v in models[0].state_dict().items()}
@@ -51,12 +61,15 @@ class Ensemble:
     ensemble loops over them (vmap stacks one architecture only)."""
 
     def __init__(self, models: List[nn.Module], weights: torch.Tensor, aggregate: str = "mean",
-                 trim_fraction: float = 0.2, batched: str = "auto", device=None):
+                 trim_fraction: float = 0.2, batched: str = "auto", device=None,
+                 offsets: Optional[torch.Tensor] = None):
         if not models:
             raise ValueError("an ensemble needs at least one model")
         self.device = torch.device(device) if device is not None else next(models[0].parameters()).device
         self.models = [check_vit(m).to(self.device).eval().requires_grad_(False) for m in models]
         self.weights = weights.to(self.device)
+        # (K, C) subtracted from each client's logits before they are combined (None: no calibration)
+        self.offsets = offsets.to(self.device) if offsets is not None else None
         self.aggregate = aggregate
         self.trim_fraction = trim_fraction
         mixed = not same_architecture(self.models)
@@ -82,7 +95,10 @@ class Ensemble:
             models.append(load_state_checked(fresh, u.state_dict, f"client {u.client_id}'s uploaded model"))
         weights = client_weights(cfg.ensemble_weighting, [u.num_samples for u in uploads],
                                  [u.label_counts for u in uploads], num_classes)
-        return cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device)
+        offsets = (label_prior_offsets([u.label_counts for u in uploads], num_classes)
+                   if cfg.ensemble_calibration == "label_prior" else None)
+        return cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device,
+                   offsets)
 
     def __len__(self) -> int:
         return len(self.models)
@@ -93,7 +109,7 @@ class Ensemble:
         w = self.weights[keep]
         w = w / w.sum(0, keepdim=True).clamp_min(1e-12)
         return Ensemble([self.models[i] for i in keep], w, self.aggregate, self.trim_fraction,
-                        self.batched, self.device)
+                        self.batched, self.device, None if self.offsets is None else self.offsets[keep])
 
     # ---- forwards ----
     def _build_stacked(self) -> None:
@@ -119,8 +135,14 @@ class Ensemble:
             return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
         return torch.stack(outs)
 
+    def calibrated(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-client logits (K, B, C) with the calibration offsets applied (unchanged without them); the
+        baselines that combine clients their own way (Co-Boosting, FedFTG) use these."""
+        return logits if self.offsets is None else logits - self.offsets.unsqueeze(1)
+
     def combine(self, logits: torch.Tensor) -> torch.Tensor:
-        """Reduce per-client logits (K, B, C) to the ensemble's (B, C)."""
+        """Reduce per-client logits (K, B, C) to the ensemble's (B, C) (calibrated first, if set)."""
+        logits = self.calibrated(logits)
         if self.aggregate == "mean":
             return (logits * self.weights.unsqueeze(1)).sum(0)
         if self.aggregate == "median":
