@@ -299,3 +299,12 @@ def test_time_budget_turns_the_reference_seconds_into_images(tmp_path):
     jobs["DeepInversion"].result = None
     with pytest.raises(RuntimeError, match="DeepInversion"):
         cmp.time_budget_jobs(settings, plan, 0)
+
+
+def test_the_table_names_the_teacher_the_server_settings_chose():
+    load_compare()   # puts benchmarks/ on the path
+    from fedbench.report import teacher_words
+    assert teacher_words({}) == "mean of the client logits"
+    calibrated = teacher_words({"ensemble_calibration": "label_prior", "ensemble_weighting": "per_class"})
+    assert "per class" in calibrated and "label prior" in calibrated
+    assert "median" in teacher_words({"ensemble_aggregate": "median"})

@@ -28,6 +28,18 @@ def budget_words(st: Dict[str, Any]) -> str:
     return "equal ensemble queries"
 
 
+def teacher_words(server: Dict[str, Any]) -> str:
+    """The teacher every method distils, from the server settings (the code's defaults where unset)."""
+    weighting = server.get("ensemble_weighting", "mean")
+    words = {"mean": "mean of the client logits", "samples": "client logits weighted by sample count",
+             "per_class": "client logits weighted per class by label counts"}.get(weighting, weighting)
+    if server.get("ensemble_aggregate", "mean") != "mean":
+        words += f", combined by {server['ensemble_aggregate']}"
+    if server.get("ensemble_calibration", "none") == "label_prior":
+        words += ", each client's logits minus the log of its label prior"
+    return words
+
+
 def aggregate_rows(per_seed: Dict[str, Dict[int, Dict[str, Any]]], order: List[str], seeds: List[int],
                    errors: Dict[str, Dict[int, str]]) -> List[Dict[str, Any]]:
     """One record per row: each number's mean over the seeds, ``<key>_std`` (population std) and
@@ -104,7 +116,7 @@ def markdown(result: Dict[str, Any]) -> str:
              f"Budget ({budget_words(st)}): {bd['synthetic_images']} synthetic images, "
              f"{bd['synthesis_ensemble_queries']} synthesis ensemble queries, "
              f"{bd['distill_steps']} distillation steps of {bd['distill_batch_size']}; "
-             f"student init {st['student_init']}. Ensemble: mean of the client models; Central: one model "
+             f"student init {st['student_init']}. Ensemble: {teacher_words(st.get('server', {}))}; Central: one model "
              "trained on all clients' data (upper bound); peak memory: the child process's max RSS "
              "(in brackets: its growth during the method, above what loading torch, the data and the "
              "client models took).", "",
