@@ -30,12 +30,14 @@ def budget_words(st: Dict[str, Any]) -> str:
 
 def teacher_words(server: Dict[str, Any]) -> str:
     """The teacher every method distils, from the server settings (the code's defaults where unset)."""
-    weighting = server.get("ensemble_weighting", "mean")
+    from fedml_fedmitr.core.config import FedMITRConfig
+    server = {**FedMITRConfig().to_dict(), **server}
+    weighting = server["ensemble_weighting"]
     words = {"mean": "mean of the client logits", "samples": "client logits weighted by sample count",
              "per_class": "client logits weighted per class by label counts"}.get(weighting, weighting)
-    if server.get("ensemble_aggregate", "mean") != "mean":
+    if server["ensemble_aggregate"] != "mean":
         words += f", combined by {server['ensemble_aggregate']}"
-    if server.get("ensemble_calibration", "none") == "label_prior":
+    if server["ensemble_calibration"] == "label_prior":
         words += ", each client's logits minus the log of its label prior"
     return words
 

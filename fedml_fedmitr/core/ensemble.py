@@ -5,8 +5,8 @@ Weights ``alpha`` (K, C), each column summing to 1:
 Robust aggregates (``median``, ``trimmed_mean``) ignore the weights and reduce over clients per
 logit. With ``ensemble_calibration: label_prior`` each client's logits are first shifted by minus the
 log of its own (add-one smoothed) label distribution, a post-hoc logit adjustment: a client that
-trained on one class no longer votes for it on every image. All K forwards run in one batched call (``torch.func.stack_module_state`` + ``vmap``) or a
-plain loop; ``auto`` picks vmap on GPU and the loop on CPU, where torch has no vmap rule for its
+trained on one class no longer votes for it on every image. All K forwards run in one batched call
+(``torch.func.stack_module_state`` + ``vmap``) or a plain loop; ``auto`` picks vmap on GPU and the loop on CPU, where torch has no vmap rule for its
 attention kernel and the loop measured faster (see ``benchmarks/bench_speed.py``).
 """
 from __future__ import annotations
@@ -136,9 +136,13 @@ class Ensemble:
         return torch.stack(outs)
 
     def calibrated(self, logits: torch.Tensor) -> torch.Tensor:
-        """Per-client logits (K, B, C) with the calibration offsets applied (unchanged without them); the
-        baselines that combine clients their own way (Co-Boosting, FedFTG) use these."""
+        """Per-client logits (K, B, C) with the calibration offsets applied (unchanged without them)."""
         return logits if self.offsets is None else logits - self.offsets.unsqueeze(1)
+
+    def calibrated_client_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-client logits (K, B, C) of ``x``, calibrated: what the baselines that combine the clients
+        their own way (Co-Boosting, FedFTG) read."""
+        return self.calibrated(self.client_logits(x))
 
     def combine(self, logits: torch.Tensor) -> torch.Tensor:
         """Reduce per-client logits (K, B, C) to the ensemble's (B, C) (calibrated first, if set)."""

@@ -284,11 +284,9 @@ class CoBoosting(GeneratorBaseline):
             teacher = self.teacher(images)
             return coboost_generator_loss(teacher, self.student(images), labels, cfg.gen_adv_weight)
 
-        def per_client(b):
-            return self.ensemble.calibrated(self.ensemble.client_logits(b)).transpose(0, 1)
-
         def extras(x):  # per-client logits of each pool image, for the weight update
-            return {"client_logits": _chunked(per_client, x, ctx.device)}
+            return {"client_logits": _chunked(lambda b: self.ensemble.calibrated_client_logits(b).transpose(0, 1),
+                                              x, ctx.device)}
 
         # Co-Boosting's synthesizer does not augment the generated images
         self.synthesizer = AdversarialSynthesizer(
@@ -302,7 +300,7 @@ class CoBoosting(GeneratorBaseline):
 
     def teacher(self, x: torch.Tensor) -> torch.Tensor:
         """The ensemble with the current client weights (weighted mean of logits)."""
-        return weighted_ensemble(self.ensemble.calibrated(self.ensemble.client_logits(x)), self.client_weight.to(x.device))
+        return weighted_ensemble(self.ensemble.calibrated_client_logits(x), self.client_weight.to(x.device))
 
     def images_so_far(self) -> int:
         return len(self.synthesizer.pool)

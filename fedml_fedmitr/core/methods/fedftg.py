@@ -51,7 +51,7 @@ class FedFTG(GeneratorBaseline):
         self._last_batch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     def teacher(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return class_level_ensemble(self.ensemble.calibrated(self.ensemble.client_logits(x)), self.alpha, labels)
+        return class_level_ensemble(self.ensemble.calibrated_client_logits(x), self.alpha, labels)
 
     def images_so_far(self) -> int:
         return self.synthesizer.generated
