@@ -299,7 +299,6 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
     from fedml_fedmitr.core.config import FedMITRConfig
     from fedml_fedmitr.core.ensemble import Ensemble
     from fedml_fedmitr.core.evaluate import evaluate_model
-    from fedml_fedmitr.core.inversion import indices_of
     from fedml_fedmitr.core.methods import ServerContext, get_method
     from fedml_fedmitr.data import load_data
     from fedml_fedmitr.fedml_adapter.model import create_model
@@ -364,7 +363,6 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
             plain = method.distill
 
             def distill(pool, c, plain=plain, seen=seen, method=method):
-                seen["pool"] = pool
                 seen["start"] = evaluate_model(method.student, test, device, n)["acc"]
                 return plain(pool, c)
 
@@ -385,23 +383,16 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
                "collapsed": any(c not in covered for c in teacher_correct),
                "synthesis_s": m["timings"].get("synthesis_s"), "distill_s": m["timings"].get("distill_s"),
                "total_s": time.perf_counter() - t}
-        pool = seen.get("pool")
-        if pool is not None and hasattr(pool, "tensors"):
-            images, labels, masks = pool.tensors()
-            with torch.no_grad():
-                full = torch.cat([method.ensemble(images[i:i + 256]).argmax(1) for i in range(0, len(labels), 256)])
-                bg = []
-                for i in range(0, len(labels), 256):
-                    mk = masks[i:i + 256]
-                    if bool((~mk).any()):
-                        bg.append(method.ensemble(images[i:i + 256], indices_of(~mk)).argmax(1))
-            out["pool_fit"] = float((full == labels).float().mean())
-            out["pool_pred_balance"] = torch.bincount(full, minlength=n).tolist()
-            if bg:
-                bgp = torch.cat(bg)
-                out["background_pred_balance"] = torch.bincount(bgp, minlength=n).tolist()
-                out["background_fit"] = float((bgp == labels).float().mean())
-            out["foreground_tokens"] = int(masks[0].sum())
+        pool = m.get("pool")          # FedMITR's own measurements of its pool (core/pool_stats.py)
+        if pool:
+            out["pool_fit"] = pool["fit"]
+            out["pool_pred_balance"] = pool["ensemble_pred"]
+            if pool["background_pred"] is not None:
+                out["background_pred_balance"] = pool["background_pred"]
+                out["background_fit"] = pool["background_fit"]
+            out["foreground_tokens"] = pool["foreground_tokens"]
+            out["student_pool_agreement"] = pool["student_agreement"]
+            out["student_pool_pred_balance"] = pool["student_pred"]
         cpath.parent.mkdir(parents=True, exist_ok=True)
         cpath.write_text(json.dumps(out))
         record["methods"][name] = out

@@ -212,6 +212,13 @@ def check_summary(summary: dict, optimizer: str, clients: int, min_acc: float = 
     assert summary["config"]["fedmitr_args"]["output_dir"]
     if not summary["config"]["fedmitr_args"].get("client_screening"):
         assert summary["screening"] is None and summary["clients_dropped"] == {}
+    if optimizer == "FedMITR" or optimizer.startswith("FedMITR-") or optimizer == "DeepInversion":
+        # what the pool taught, measured without test data (core/pool_stats.py)
+        pool = summary["metrics"]["pool"]
+        assert pool["size"] == summary["num_synthetic"]
+        for key in ("labels", "ensemble_pred", "student_pred"):
+            assert len(pool[key]) == 10 and sum(pool[key]) == pool["size"], key
+        assert 0.0 <= pool["student_agreement"] <= 1.0 and pool["fit"] == summary["metrics"]["pool_ensemble_fit"]
 
 
 # ---- helpers of the robustness tests (tests/test_robust_*.py) ------------------------------------

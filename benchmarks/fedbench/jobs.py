@@ -271,6 +271,7 @@ def job_method(job: Dict[str, Any], device) -> Dict[str, Any]:
            "distill_s": timings.get("distill_s"), "total_s": total, "num_synthetic": m.get("num_synthetic"),
            "ensemble_queries": counter["n"], "rss_before_run_mb": rss_before,
            "per_class_acc": m.get("per_class_acc"), "pool_ensemble_fit": m.get("pool_ensemble_fit"),
+           "pool": m.get("pool"),
            "clients_used": m.get("clients_used"), "screening": m.get("screening"),
            "config": method.config.to_dict()}
     print(f"{name} seed {seed}: test acc {out['test_acc']:.3f} (start {out['start_acc']:.3f}), ensemble acc "

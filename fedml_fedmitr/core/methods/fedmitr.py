@@ -16,6 +16,7 @@ from ..config import FedMITRConfig, resolve_augmentation
 from ..distill import distill_student
 from ..evaluate import evaluate_model
 from ..inversion import SparseModelInversion, SyntheticPool, balanced_labels
+from ..pool_stats import pool_student_stats, pool_teacher_stats
 from . import register_method
 from .base import ServerContext, ServerMethod
 
@@ -53,14 +54,8 @@ class FedMITR(ServerMethod):
 
     def distill(self, pool: SyntheticPool, ctx: ServerContext) -> nn.Module:
         images, labels, masks = pool.tensors()
-        with torch.no_grad():
-            hits = []
-            for i in range(0, len(labels), 256):
-                x = images[i:i + 256].to(ctx.device)
-                hits.append(self.ensemble(x).argmax(1).cpu() == labels[i:i + 256])
-            self.pool_fit = float(torch.cat(hits).float().mean())
-        ctx.callbacks.log(f"synthetic pool: {len(labels)} images, {self.pool_fit:.1%} classified as "
-                          f"their target by the ensemble, {int(masks[0].sum())}/{masks.shape[1]} "
+        self._pool = (images, labels, masks)       # measured after distillation (evaluate)
+        ctx.callbacks.log(f"synthetic pool: {len(labels)} images, {int(masks[0].sum())}/{masks.shape[1]} "
                           "patches in the foreground")
         path = self._state_path(ctx, "distill.pt")
         resume_state = load_if_exists(path) if self.config.resume else None
@@ -81,8 +76,17 @@ class FedMITR(ServerMethod):
 
     def evaluate(self, model, ctx):
         metrics = super().evaluate(model, ctx)
-        if hasattr(self, "pool_fit"):
-            metrics["pool_ensemble_fit"] = self.pool_fit
+        if getattr(self, "_pool", None) is not None:
+            images, labels, masks = self._pool
+            teacher = pool_teacher_stats(self.ensemble, images, labels, masks, ctx.num_classes, ctx.device)
+            student = pool_student_stats(model, self.ensemble, images, ctx.num_classes, ctx.device)
+            metrics["pool_ensemble_fit"] = teacher["fit"]
+            metrics["pool"] = {**teacher, **student}
+            ctx.callbacks.log(
+                f"synthetic pool: {teacher['fit']:.1%} classified as their target by the ensemble; per class, "
+                f"labels {teacher['labels']}, ensemble predictions {teacher['ensemble_pred']}, on the background "
+                f"tokens {teacher['background_pred']}, global model {student['student_pred']} (agrees with the "
+                f"ensemble on {student['student_agreement']:.1%})")
         return metrics
 
 
