@@ -392,6 +392,7 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
                 out["background_fit"] = pool["background_fit"]
             out["foreground_tokens"] = pool["foreground_tokens"]
             out["student_pool_agreement"] = pool["student_agreement"]
+            out["pool_confidence"] = pool["ensemble_confidence"]
             out["student_pool_pred_balance"] = pool["student_pred"]
         cpath.parent.mkdir(parents=True, exist_ok=True)
         cpath.write_text(json.dumps(out))

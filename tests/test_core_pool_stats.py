@@ -33,6 +33,9 @@ def test_teacher_stats_count_every_image_and_match_the_ensemble():
     for c in range(10):
         assert abs(stats["ensemble_fit_per_class"][c] - float((full[labels == c] == c).float().mean())) < 1e-9
     assert stats["foreground_tokens"] == 4
+    with torch.no_grad():
+        confidence = float(ens(images).softmax(1).max(1).values.mean())
+    assert abs(stats["ensemble_confidence"] - confidence) < 1e-6
 
 
 def test_a_dense_pool_has_no_background_counts_and_a_missing_class_has_no_fit():

@@ -2,7 +2,7 @@
 
 :func:`pool_teacher_stats` (before distillation) counts, per class, the synthesis labels, the
 ensemble's predictions on the full images and on the background tokens (what the token relabel
-loss teaches there), and the share of each label's images the ensemble assigns that label.
+loss teaches there), the share of each label's images the ensemble assigns that label, and how confident it is.
 :func:`pool_student_stats` (after) counts the student's predictions on the full pool images and how
 often they equal the ensemble's. A teacher that sends most of the pool to a few classes, or a
 student that does not follow it even on the pool, shows here first. FedMITR puts both in its
@@ -30,10 +30,12 @@ def pool_teacher_stats(ensemble, images: torch.Tensor, labels: torch.Tensor, mas
     """Per class: the synthesis labels, the ensemble's predictions on the full images and on the
     background tokens, and its fit per label; the fit overall and on the background tokens.
     Images without background tokens (a dense pool) are left out of the background counts."""
-    full, back, back_labels = [], [], []
+    full, conf, back, back_labels = [], [], [], []
     for i in range(0, images.shape[0], CHUNK):
         x = images[i:i + CHUNK].to(device)
-        full.append(ensemble(x).argmax(1).cpu())
+        probs = ensemble(x).float().softmax(1).cpu()
+        full.append(probs.argmax(1))
+        conf.append(probs.max(1).values)
         if masks is None:
             continue
         bg = ~masks[i:i + CHUNK]
@@ -53,6 +55,8 @@ def pool_teacher_stats(ensemble, images: torch.Tensor, labels: torch.Tensor, mas
         "labels": _bincount(labels, num_classes),
         "ensemble_pred": _bincount(full_pred, num_classes),
         "ensemble_fit_per_class": fit_per_class,
+        # mean top-class probability of the ensemble (T = 1): near 1, its soft labels are nearly one-hot
+        "ensemble_confidence": float(torch.cat(conf).mean()) if conf else None,
         "foreground_tokens": None if masks is None else int(masks[0].sum()),
         "background_pred": None, "background_fit": None}
     if back:
