@@ -204,3 +204,39 @@ def test_mixup_mixes_within_the_batch_deterministically_and_needs_ensemble_targe
     two = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg, "cpu", seed=1)
     plain = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg.replace(distill_mixup=0.0), "cpu", seed=1)
     assert torch.equal(one.head.weight, two.head.weight) and not torch.equal(one.head.weight, plain.head.weight)
+
+
+def test_teacher_debias_balances_a_teacher_that_favours_one_class():
+    from fedml_fedmitr.core.distill import TeacherBias
+    models = [tiny_vit(seed=i) for i in range(2)]
+    offsets = torch.zeros(2, 10)
+    offsets[:, 3] = -4.0                       # the combined logits get +4 on class 3: a skewed teacher
+    ens = Ensemble(models, client_weights("mean", [1, 1], [[1] * 10] * 2, 10), offsets=offsets)
+    x = torch.randn(60, 1, 16, 16)
+    mask = random_mask(60, 16, 4, seed=1)
+    bias = TeacherBias(ens, x, mask, "cpu")
+    assert set(bias.log_prior) == {"full", "foreground", "background"}
+    with torch.no_grad():
+        plain = ens(x).softmax(1).mean(0)
+        fixed = bias.teacher(x, None, "full").softmax(1).mean(0)
+        idx_l = torch.nonzero(~mask)[:, 1].view(60, -1)
+        plain_bg = ens(x, idx_l).softmax(1).mean(0)
+        fixed_bg = bias.teacher(x, idx_l, "background").softmax(1).mean(0)
+    assert plain[3] > 0.5                       # skewed before
+    for before, after in ((plain, fixed), (plain_bg, fixed_bg)):
+        assert after.max() < 0.5 * before.max()
+        assert (after - 0.1).abs().max() < (before - 0.1).abs().max()
+    # the exact correction: logits minus the log of the mean softmax of that view
+    torch.testing.assert_close(bias.log_prior["full"], plain.log(), rtol=1e-5, atol=1e-6)
+
+
+def test_teacher_debias_changes_distillation_deterministically():
+    ens, x = tiny_ensemble(2), torch.randn(40, 1, 16, 16)
+    y, mask = torch.arange(40) % 10, random_mask(40, 16, 4, seed=2)
+    cfg = FedMITRConfig(num_synthetic=40, distill_epochs=2, distill_batch_size=20, progress=False)
+    runs = {}
+    for debias in ("none", "pool", "pool"):
+        student = distill_student(tiny_vit(seed=7), ens, x, y, mask, cfg.replace(teacher_debias=debias), "cpu", seed=0)
+        runs.setdefault(debias, []).append(torch.cat([p.flatten() for p in student.parameters()]))
+    assert torch.equal(runs["pool"][0], runs["pool"][1])
+    assert not torch.allclose(runs["pool"][0], runs["none"][0])

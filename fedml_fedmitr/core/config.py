@@ -35,6 +35,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "distill_optimizer": ("adamw", "sgd"),
     "foreground_target": ("label", "ensemble"),
     "drift_guard": ("none", "pool_agreement"),
+    "teacher_debias": ("none", "pool"),
     "autocast": ("auto", "off", "bf16"),
 }
 
@@ -86,6 +87,10 @@ class FedMITRConfig:
     guard_fraction: float = 0.1         # share of the pool held out for the drift guard
     distill_mixup: float = 0.0          # alpha > 0: each distillation batch is mixed with a shuffled copy of
                                         # itself, lambda ~ Beta(alpha, alpha), and relabelled by the ensemble
+    teacher_debias: str = "none"        # "pool": the ensemble's mean prediction on the (class-balanced) pool is
+                                        # measured per view (full images, kept tokens, background tokens) before
+                                        # distillation, and its log subtracted from the ensemble's logits on that
+                                        # view, so the targets over the pool are class-balanced too
     prox_weight: float = 0.0            # mu of a proximal term mu/2 * ||w - w_start||^2 that keeps the student
                                         # near its start (FedAvg of the clients, or the pretrained weights)
 
@@ -273,7 +278,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "student": ("student_init", "distill_optimizer", "distill_lr", "distill_weight_decay", "distill_batch_size",
                 "distill_augment"),
     "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "foreground_target",
-                     "drift_guard", "guard_fraction", "distill_mixup", "prox_weight"),
+                     "drift_guard", "guard_fraction", "distill_mixup", "prox_weight", "teacher_debias"),
     "ensemble": ("ensemble_weighting", "ensemble_aggregate", "ensemble_calibration", "trim_fraction",
                  "ensemble_batched"),
     "screening": ("client_screening", "screening_images", "screening_iters", "screening_z", "screening_min_ratio",

@@ -16,6 +16,13 @@ Proximal term (``prox_weight: mu > 0``): mu/2 * ||w - w_start||^2 is added to ev
 student at the start of distillation (FedAvg of the uploads, or the pretrained weights), so a
 student that starts above what the synthetic pool can teach stays near that start.
 
+Teacher debiasing (``teacher_debias: pool``, :class:`TeacherBias`): the pool's labels are balanced
+over the classes, but a mean of label-skewed clients predicts it unevenly (measured: on 4 clients of
+3 classes each, the ensemble put 50% of the background tokens in the one class two clients share,
+and the student followed). Before distillation the ensemble's mean softmax over the pool is measured
+on each view the loss queries (full images, kept tokens, background tokens); its log is then
+subtracted from the ensemble's logits on that view, a prior correction estimated on the pool itself.
+
 Drift guard (``drift_guard: pool_agreement``): ``guard_fraction`` of the pool (every k-th image,
 so each class keeps its share) is held out of training; after every epoch the student's agreement
 with the ensemble's prediction on those held-out synthetic images is measured, and the student of
@@ -52,19 +59,53 @@ def background_targets(ensemble: Ensemble, x: torch.Tensor, mask: torch.Tensor, 
         return F.softmax(ensemble(x, indices_of(~mask)) / temperature, dim=1)
 
 
+class TeacherBias:
+    """Log of the ensemble's mean softmax over the pool, per view ("full", "foreground", "background");
+    :meth:`teacher` returns the ensemble's logits on a view minus it (``teacher_debias: pool``)."""
+
+    VIEWS = ("full", "foreground", "background")
+
+    def __init__(self, ensemble: Ensemble, images: torch.Tensor, masks: torch.Tensor, device, chunk: int = 256):
+        self.ensemble = ensemble
+        sums = {v: None for v in self.VIEWS}
+        counts = {v: 0 for v in self.VIEWS}
+        with torch.no_grad():
+            for i in range(0, images.shape[0], chunk):
+                x, m = images[i:i + chunk].to(device), masks[i:i + chunk].to(device)
+                views = {"full": None, "foreground": indices_of(m)}
+                if bool((~m).any(1).all()):
+                    views["background"] = indices_of(~m)
+                for view, idx in views.items():
+                    p = ensemble(x, idx).float().softmax(1).sum(0)
+                    sums[view] = p if sums[view] is None else sums[view] + p
+                    counts[view] += x.shape[0]
+        self.log_prior = {v: (sums[v] / counts[v]).clamp_min(1e-8).log() for v in self.VIEWS if counts[v]}
+
+    def teacher(self, x: torch.Tensor, idx: Optional[torch.Tensor], view: str) -> torch.Tensor:
+        logits = self.ensemble(x, idx)
+        bias = self.log_prior.get(view)
+        return logits if bias is None else logits - bias.to(logits.dtype)
+
+
+def teacher_logits(ensemble: Ensemble, x: torch.Tensor, idx: Optional[torch.Tensor], view: str,
+                   bias: Optional[TeacherBias]) -> torch.Tensor:
+    """The distillation target's logits on one view, debiased when ``bias`` is given (no grad)."""
+    with torch.no_grad():
+        return ensemble(x, idx) if bias is None else bias.teacher(x, idx, view)
+
+
 def token_relabel_loss(student: nn.Module, ensemble: Ensemble, x: torch.Tensor, y: torch.Tensor,
-                       mask: torch.Tensor, cfg: FedMITRConfig) -> Tuple[torch.Tensor, Dict[str, float]]:
+                       mask: torch.Tensor, cfg: FedMITRConfig,
+                       bias: Optional[TeacherBias] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
     """The distillation loss of one batch for ``cfg.distill_mode``; returns (loss, parts)."""
     t = cfg.kd_temperature
     if cfg.distill_mode == "kd_full":
-        with torch.no_grad():
-            teacher = ensemble(x)
+        teacher = teacher_logits(ensemble, x, None, "full", bias)
         kl = kd_kl(teacher, student(x), t)
         return kl, {"kl": kl.item()}
     idx_h = indices_of(mask)
     if cfg.foreground_target == "ensemble" and cfg.distill_mode == "token_relabel":
-        with torch.no_grad():
-            h_logits = ensemble(x, idx_h)
+        h_logits = teacher_logits(ensemble, x, idx_h, "foreground", bias)
         ce = kd_kl(h_logits, forward_tokens(student, x, idx_h), t)
     else:
         ce = F.cross_entropy(forward_tokens(student, x, idx_h), y)
@@ -72,8 +113,7 @@ def token_relabel_loss(student: nn.Module, ensemble: Ensemble, x: torch.Tensor, 
     loss = ce
     if cfg.distill_mode == "token_relabel" and bool((~mask).any()):
         idx_l = indices_of(~mask)
-        with torch.no_grad():
-            q_logits = ensemble(x, idx_l)
+        q_logits = teacher_logits(ensemble, x, idx_l, "background", bias)
         kl = kd_kl(q_logits, forward_tokens(student, x, idx_l), t)
         loss = ce + cfg.relabel_weight * kl
         parts["kl"] = kl.item()
@@ -122,6 +162,8 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
     bit-identical on CPU to one never interrupted.
     """
     student.to(device).train()
+    # measured on the whole pool (the guard's held-out images included), before any training
+    bias = TeacherBias(ensemble, images, masks, device) if cfg.teacher_debias == "pool" else None
     guard = None
     if cfg.drift_guard == "pool_agreement":
         guard = DriftGuard(ensemble, images, cfg.guard_fraction, device)
@@ -163,7 +205,7 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
             if cfg.distill_mixup > 0:
                 x = mix_batch(x, cfg.distill_mixup, gen)
             with autocast(device, cfg.autocast):
-                loss, parts = token_relabel_loss(student, ensemble, x, y, m, cfg)
+                loss, parts = token_relabel_loss(student, ensemble, x, y, m, cfg, bias)
             loss = loss.float()
             if anchor is not None:
                 prox = sum(((p - a) ** 2).sum() for p, a in zip(student.parameters(), anchor))
