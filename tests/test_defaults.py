@@ -52,9 +52,10 @@ def test_budget_only_config_on_label_sorted_clients_runs_with_the_defaults_and_d
     ensemble_right = {c for c, acc in enumerate(summary["per_class_acc"]["ensemble"]) if acc > 0}
     predicted = set(preds.tolist())
     if not ensemble_right <= predicted:
-        # Open issue #18 (defaults that never collapse): on the CPU of the 2026-12-01 machines this
-        # federation's global model predicts only 2 of the 5 classes its ensemble gets right (it passed
-        # on the earlier CI machine; larger pools, more steps or epochs and the label-prior teacher
-        # did not change it). Reported as an expected failure, not hidden, until the issue is fixed.
+        # Open issue #18 (defaults that never collapse). Measured (benchmarks/README.md, "Why a
+        # label-sorted federation collapses"): the mean teacher itself answers the two classes that
+        # two clients share for half the pool and 74% of the background tokens, and the student
+        # follows; per_class weighting with teacher_debias: pool leaves one class missing, larger pools
+        # and more epochs make it worse. An expected failure, not hidden, until the issue is fixed.
         pytest.xfail(f"#18 collapse: ensemble right on {sorted(ensemble_right)}, "
                      f"global model predicts {sorted(predicted)}")
