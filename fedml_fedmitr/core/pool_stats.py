@@ -26,10 +26,11 @@ def _bincount(t: torch.Tensor, num_classes: int) -> List[int]:
 
 @torch.no_grad()
 def pool_teacher_stats(ensemble, images: torch.Tensor, labels: torch.Tensor, masks: Optional[torch.Tensor],
-                       num_classes: int, device) -> Dict[str, object]:
+                       num_classes: int, device, with_predictions: bool = False):
     """Per class: the synthesis labels, the ensemble's predictions on the full images and on the
     background tokens, and its fit per label; the fit overall and on the background tokens.
-    Images without background tokens (a dense pool) are left out of the background counts."""
+    Images without background tokens (a dense pool) are left out of the background counts.
+    ``with_predictions``: return (stats, the ensemble's argmax per image) for :func:`pool_student_stats`."""
     full, conf, back, back_labels = [], [], [], []
     for i in range(0, images.shape[0], CHUNK):
         x = images[i:i + CHUNK].to(device)
@@ -63,20 +64,23 @@ def pool_teacher_stats(ensemble, images: torch.Tensor, labels: torch.Tensor, mas
         bp, bl = torch.cat(back), torch.cat(back_labels)
         stats["background_pred"] = _bincount(bp, num_classes)
         stats["background_fit"] = float((bp == bl).float().mean())
-    return stats
+    return (stats, full_pred) if with_predictions else stats
 
 
 @torch.no_grad()
-def pool_student_stats(student: nn.Module, ensemble, images: torch.Tensor, num_classes: int,
-                       device) -> Dict[str, object]:
-    """The student's predictions on the full pool images and its agreement with the ensemble's."""
+def pool_student_stats(student: nn.Module, ensemble, images: torch.Tensor, num_classes: int, device,
+                       teacher_pred: Optional[torch.Tensor] = None) -> Dict[str, object]:
+    """The student's predictions on the full pool images and its agreement with the ensemble's
+    (``teacher_pred``: the ensemble's argmax per image, when already computed)."""
     was_training = student.training
     student.eval()
     s_pred, e_pred = [], []
     for i in range(0, images.shape[0], CHUNK):
         x = images[i:i + CHUNK].to(device)
         s_pred.append(student(x).argmax(1).cpu())
-        e_pred.append(ensemble(x).argmax(1).cpu())
+        if teacher_pred is None:
+            e_pred.append(ensemble(x).argmax(1).cpu())
     student.train(was_training)
-    s, e = torch.cat(s_pred), torch.cat(e_pred)
+    s = torch.cat(s_pred)
+    e = teacher_pred if teacher_pred is not None else torch.cat(e_pred)
     return {"student_pred": _bincount(s, num_classes), "student_agreement": float((s == e).float().mean())}

@@ -78,8 +78,9 @@ class FedMITR(ServerMethod):
         metrics = super().evaluate(model, ctx)
         if getattr(self, "_pool", None) is not None:
             images, labels, masks = self._pool
-            teacher = pool_teacher_stats(self.ensemble, images, labels, masks, ctx.num_classes, ctx.device)
-            student = pool_student_stats(model, self.ensemble, images, ctx.num_classes, ctx.device)
+            teacher, teacher_pred = pool_teacher_stats(self.ensemble, images, labels, masks, ctx.num_classes,
+                                                       ctx.device, with_predictions=True)
+            student = pool_student_stats(model, self.ensemble, images, ctx.num_classes, ctx.device, teacher_pred)
             metrics["pool_ensemble_fit"] = teacher["fit"]
             metrics["pool"] = {**teacher, **student}
             ctx.callbacks.log(
