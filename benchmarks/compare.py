@@ -28,7 +28,9 @@ it into images at its own measured speed). The package ``benchmarks/fedbench`` h
 Every job (pretraining, client training, central training, one method on one seed) runs as
 ``python benchmarks/compare.py --worker JOB.json`` and writes its record to a JSON file in the
 cache; a record that exists is reused, so an interrupted suite continues where it stopped
-(``--force`` recomputes). The parent never imports torch.
+(``--force`` recomputes). The parent imports torch only to check ``--method-set`` keys against
+the method's used keys. ``--method-set METHOD:KEY=VALUE`` gives one method a knob of its own (one
+chosen for it on ``--split val``); its records are keyed by it.
 
     # smoke run (about a minute on 2 cores)
     python benchmarks/compare.py --dataset digits --clients 3 --scale tiny \\
@@ -79,12 +81,13 @@ from fedbench.settings import (  # noqa: E402,F401
     build_settings,
     client_key,
     derive_budget,
+    method_server,
     portable_settings,
     pretrain_key,
     server_key,
     setting_name,
 )
-from fedbench.store import portable, stable_hash, write_json_atomic  # noqa: E402
+from fedbench.store import portable, write_json_atomic  # noqa: E402
 
 SYNTHESIS_METHODS = INVERSION_METHODS | GENERATOR_METHODS
 
@@ -108,8 +111,10 @@ def plan(settings: Dict[str, Any], cache: Path) -> Dict[str, Any]:
         jobs["Ensemble"] = Job("ensemble", f"Ensemble seed {seed}", d / f"server-{skey}" / "Ensemble.json", {},
                                d / "logs" / f"Ensemble-{skey}.log")
         for m in settings["methods"] + settings["references"]:
-            jobs[m] = Job("method", f"{m} seed {seed}", d / f"server-{skey}" / f"{m}.json", {"method": m},
-                          d / "logs" / f"{m}-{skey}.log")
+            own = method_server(settings, m)
+            mkey = server_key(settings, own) if own else skey
+            jobs[m] = Job("method", f"{m} seed {seed}", d / f"server-{mkey}" / f"{m}.json",
+                          {"method": m, "server_override": own}, d / "logs" / f"{m}-{mkey}.log")
         out["seeds"][seed] = {"dir": d, "jobs": jobs}
     return out
 
@@ -137,12 +142,12 @@ def time_budget_jobs(settings: Dict[str, Any], p: Dict[str, Any], seed: int) -> 
     d = p["seeds"][seed]["dir"]
     for m in settings["methods"] + settings["references"]:
         n = counts.get(m if m not in settings["references"] else "FedMITR")
-        override: Dict[str, Any] = {}
+        override: Dict[str, Any] = method_server(settings, m)
         if n is not None:
             srv = dict(server, num_synthetic=n)
             derive_budget(srv, [k for k in settings["server_explicit"] if k != "num_synthetic"])
-            override = {k: srv[k] for k in ("num_synthetic", "gen_batch_size", "gen_kd_steps") if k in srv}
-        key = stable_hash({"server": dict(server, **override), "threads": settings["threads_per_job"]})
+            override.update({k: srv[k] for k in ("num_synthetic", "gen_batch_size", "gen_kd_steps") if k in srv})
+        key = server_key(settings, override)
         out[m] = Job("method", f"{m} seed {seed} (time budget)", d / f"server-{key}" / f"{m}.json",
                      {"method": m, "server_override": override, "seed": seed,
                       "clients": jobs["clients"].spec["checkpoint"]}, d / "logs" / f"{m}-{key}.log")

@@ -308,3 +308,50 @@ def test_the_table_names_the_teacher_the_server_settings_chose():
     calibrated = teacher_words({"ensemble_calibration": "label_prior", "ensemble_weighting": "per_class"})
     assert "per class" in calibrated and "label prior" in calibrated
     assert "median" in teacher_words({"ensemble_aggregate": "median"})
+
+
+def test_a_method_set_knob_is_that_methods_alone(tmp_path):
+    """--method-set METHOD:KEY=VALUE: one method runs with a knob of its own (as chosen for it on the
+    validation split); its records are keyed by it, every other method's are the plain setting's, the
+    time budget keeps it, the table says it; a budget knob, a knob the method does not use, a method
+    that is not a row, or a malformed item is refused before any work."""
+    cmp = load_compare()
+    base = ["--dataset", "digits", "--clients", "3", "--scale", "tiny", "--seeds", "0",
+            "--methods", "FedMITR", "DENSE", "--cache-dir", str(tmp_path / "cache")]
+
+    def settings(*extra):
+        return cmp.build_settings(cmp.build_parser().parse_args(base + list(extra)))
+
+    plain = settings()
+    tuned = settings("--method-set", "DENSE:baseline_kd_temperature=4")
+    assert plain["method_server"] == {} and tuned["method_server"] == {"DENSE": {"baseline_kd_temperature": 4}}
+    p, q = cmp.plan(plain, tmp_path / "cache")["seeds"][0]["jobs"], cmp.plan(tuned, tmp_path / "cache")["seeds"][0]["jobs"]
+    assert q["FedMITR"].out == p["FedMITR"].out and q["KD-real"].out == p["KD-real"].out
+    assert q["DENSE"].out != p["DENSE"].out
+    assert q["DENSE"].spec["server_override"] == {"baseline_kd_temperature": 4}
+    assert p["DENSE"].spec["server_override"] == {}
+
+    # the time budget adds its image count to the method's own knob
+    for m in ("FedMITR", "DeepInversion", "DENSE"):
+        q.setdefault(m, _job(cmp, tmp_path, m))
+        q[m].result = {"ok": True, "synthesis_s": 10.0, "num_synthetic": 40}
+    timed = cmp.time_budget_jobs(dict(tuned, methods=["FedMITR", "DeepInversion", "DENSE"], references=[],
+                                      time_reference="DeepInversion"), {"seeds": {0: {"dir": tmp_path, "jobs": q}}}, 0)
+    assert timed["DENSE"].spec["server_override"]["baseline_kd_temperature"] == 4
+    assert "num_synthetic" in timed["DENSE"].spec["server_override"]
+    assert "baseline_kd_temperature" not in timed["FedMITR"].spec["server_override"]
+
+    table = cmp.markdown({"name": "x", "command": "c", "settings": dict(tuned, num_classes=10, budget_detail=dict(
+        synthetic_images=1, synthesis_ensemble_queries=1, distill_steps=1, distill_batch_size=1)), "records":
+        cmp.aggregate_rows({"DENSE": {0: {"test_acc": 0.5}}}, ["DENSE"], [0], {})})
+    assert "| DENSE {baseline_kd_temperature=4} | 50.0 |" in table
+    assert "DENSE runs with baseline_kd_temperature=4 (--method-set)" in table
+
+    for item, words in [("DENSE:num_synthetic=8", "num_synthetic is a budget knob"),
+                        ("FedMITR:coboost_temperature=2", "FedMITR does not use"),
+                        ("CoBoosting:coboost_temperature=2", "'CoBoosting' is not a row"),
+                        ("DENSE:baseline_kd_temperature", "not METHOD:KEY=VALUE"),
+                        ("DENSE:baseline_kd_temperature=-1", "baseline_kd_temperature"),
+                        ("DENSE:seed=3", "set by the benchmark")]:
+        with pytest.raises(SystemExit, match=words):
+            settings("--method-set", item)

@@ -121,7 +121,9 @@ def markdown(result: Dict[str, Any]) -> str:
              f"student init {st['student_init']}. Ensemble: {teacher_words(st.get('server', {}))}; Central: one model "
              "trained on all clients' data (upper bound); peak memory: the child process's max RSS "
              "(in brackets: its growth during the method, above what loading torch, the data and the "
-             "client models took).", "",
+             "client models took)."
+             + "".join(f" {m} runs with {', '.join(f'{k}={v}' for k, v in knobs.items())} (--method-set)."
+                       for m, knobs in (st.get("method_server") or {}).items()), "",
              "| " + " | ".join(c[0] for c in columns) + " |",
              "|" + "|".join(["---"] + ["---:"] * (len(columns) - 1)) + "|"]
     for row in result["records"]:
@@ -129,6 +131,9 @@ def markdown(result: Dict[str, Any]) -> str:
         for _title, key, kind in columns:
             if key == "method":
                 label = row["method"] + (" (reference)" if row["kind"] == "reference" else "")
+                own = (st.get("method_server") or {}).get(row["method"])
+                if own:
+                    label += " {" + ", ".join(f"{k}={v}" for k, v in own.items()) + "}"
                 if row.get("num_synthetic_per_seed") and st.get("budget") == "time" and row["kind"] != "reference":
                     label += f" [{row['num_synthetic']:.0f} images]"
                 if row.get("errors"):

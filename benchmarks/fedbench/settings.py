@@ -154,6 +154,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                     help="the one student initialisation of every method (scratch: the clients' shared init)")
     ap.add_argument("--server-set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="FedMITRConfig knobs over the preset (e.g. num_synthetic=256)")
+    ap.add_argument("--method-set", nargs="*", default=[], metavar="METHOD:KEY=VALUE",
+                    help="a FedMITRConfig knob for one method only, over --server-set (a knob chosen for "
+                         "that method on --split val, e.g. DENSE:baseline_kd_temperature=4); not a budget knob")
     ap.add_argument("--client-set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="ClientTrainConfig knobs over the preset (e.g. epochs=10); also central and pretraining")
     ap.add_argument("--methods", nargs="+", default=None,
@@ -224,6 +227,55 @@ def derive_budget(server: Dict[str, Any], explicit: Sequence[str]) -> Dict[str, 
             "ensemble (all K clients; synthesis, with backward passes, and the distillation teacher), the "
             "test-set evaluation excluded."),
     }
+
+
+# Keys --method-set may not change: the budget is the same for every method, and the benchmark sets the rest.
+BUDGET_KEYS = ("num_synthetic", "synthesis_batch_size", "inversion_iters", "distill_epochs", "distill_batch_size",
+               "gen_epochs", "gen_batch_size", "gen_steps", "gen_kd_steps", "student_init")
+RESERVED_KEYS = ("seed", "output_dir", "resume", "progress", "tensorboard", "save_images")
+
+
+def parse_method_set(items: Sequence[str], rows: Sequence[str], server: Dict[str, Any],
+                     cfgmod: Any) -> Dict[str, Dict[str, Any]]:
+    """``METHOD:KEY=VALUE`` strings as ``{method: {key: value}}``: each key a FedMITRConfig knob that
+    the method uses (checked against its ``used_keys()``, which needs the method registry and so
+    torch), not a budget knob, valid over ``server``; each method one of ``rows``."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for item in items or []:
+        method, sep, assignment = item.partition(":")
+        if not sep or "=" not in assignment:
+            raise SystemExit(f"--method-set: {item!r} is not METHOD:KEY=VALUE")
+        if method not in rows:
+            raise SystemExit(f"--method-set {item}: {method!r} is not a row of this run "
+                             f"(expected one of {' '.join(rows)})")
+        knob = parse_assignments([assignment], f"--method-set {method}")
+        key = next(iter(knob))
+        if key in BUDGET_KEYS or key in RESERVED_KEYS:
+            raise SystemExit(f"--method-set {item}: {key} is "
+                             + ("a budget knob, the same for every method (use --server-set)" if key in BUDGET_KEYS
+                                else "set by the benchmark, not a knob"))
+        if key in out.get(method, {}):
+            raise SystemExit(f"--method-set: {method}:{key} given twice")
+        out.setdefault(method, {}).update(knob)
+    if not out:
+        return out
+    from fedml_fedmitr.core.methods import get_method  # imports torch: only when --method-set is used
+    for method, knobs in out.items():
+        used = set(get_method(REAL_REFERENCES.get(method, method)).used_keys())
+        unused = sorted(set(knobs) - used)
+        if unused:
+            raise SystemExit(f"--method-set {method}: {method} does not use {unused} "
+                             f"(it uses: {', '.join(sorted(used))})")
+        try:
+            cfgmod.FedMITRConfig.from_dict(dict(server, **knobs), where=f"--method-set {method}")
+        except cfgmod.ConfigError as exc:
+            raise SystemExit(str(exc)) from None
+    return out
+
+
+def method_server(settings: Dict[str, Any], method: str) -> Dict[str, Any]:
+    """The knobs ``method`` runs with over ``settings["server"]`` (from --method-set; empty if none)."""
+    return dict((settings.get("method_server") or {}).get(method, {}))
 
 
 def build_settings(args: argparse.Namespace) -> Dict[str, Any]:
@@ -334,7 +386,7 @@ def build_settings(args: argparse.Namespace) -> Dict[str, Any]:
     server.update(overrides)
     server["student_init"] = args.student_init
     budget = derive_budget(server, list(overrides))
-    for key in ("seed", "output_dir", "resume", "progress", "tensorboard", "save_images"):
+    for key in RESERVED_KEYS:
         if key in server:
             raise SystemExit(f"--server-set {key}: set by the benchmark, not a knob")
     try:
@@ -356,6 +408,9 @@ def build_settings(args: argparse.Namespace) -> Dict[str, Any]:
             raise SystemExit(f"--methods: unknown {bad}; expected some of {' '.join(names)}")
     if len(set(methods)) != len(methods):
         raise SystemExit(f"--methods: {methods} names a method twice")
+
+    method_server = parse_method_set(args.method_set, methods + ([] if args.no_references
+                                                                 else list(REAL_REFERENCES)), server, cfgmod)
 
     if args.partition == "pathological" and args.clients * args.classes_per_client < len(task_classes):
         raise SystemExit(f"--partition pathological: {args.clients} clients x {args.classes_per_client} "
@@ -394,6 +449,7 @@ def build_settings(args: argparse.Namespace) -> Dict[str, Any]:
         "student_init": args.student_init,
         "server": server,
         "server_explicit": sorted(overrides),
+        "method_server": method_server,
         "budget": args.budget,
         "budget_detail": budget,
         "time_reference": args.time_reference if args.budget == "time" else None,
@@ -417,7 +473,7 @@ def setting_name(settings: Dict[str, Any], args: argparse.Namespace) -> str:
     else:
         part = p
     bits = [settings["data_name"], part, f"K{settings['clients']}", settings["backbone"], settings["scale"]]
-    extra = {k: v for k, v in {"server": args.server_set, "client": args.client_set, "model": args.model,
+    extra = {k: v for k, v in {"server": args.server_set, "method": args.method_set, "client": args.client_set, "model": args.model,
                                 "depth": args.depth, "img": args.img_size, "patch": args.patch_size != 4,
                                 "init": args.student_init != "fedavg", "device": args.device != "cpu",
                                 "pretrain": settings["pretrain"] if args.backbone == "pretrained" and (
@@ -459,7 +515,9 @@ def portable_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def server_key(settings: Dict[str, Any]) -> str:
-    return stable_hash({"server": settings["server"], "threads": settings["threads_per_job"]})
+def server_key(settings: Dict[str, Any], override: Optional[Dict[str, Any]] = None) -> str:
+    """What a server record depends on: the knobs it runs with (``settings["server"]`` and an
+    ``override``: a method's own knobs, a time-budget's image count) and the threads."""
+    return stable_hash({"server": dict(settings["server"], **(override or {})), "threads": settings["threads_per_job"]})
 
 
