@@ -57,5 +57,7 @@ def test_budget_only_config_on_label_sorted_clients_runs_with_the_defaults_and_d
         # two clients share for half the pool and 74% of the background tokens, and the student
         # follows; per_class weighting with teacher_debias: pool leaves one class missing, larger pools
         # and more epochs make it worse. An expected failure, not hidden, until the issue is fixed.
+        # Borderline: the same seed passes on some CPUs and fails on others (float results of the
+        # training differ between machines; it passed in the CI run of 2026-12-02, failed before).
         pytest.xfail(f"#18 collapse: ensemble right on {sorted(ensemble_right)}, "
                      f"global model predicts {sorted(predicted)}")
