@@ -112,7 +112,7 @@ def plan(settings: Dict[str, Any], cache: Path) -> Dict[str, Any]:
                                d / "logs" / f"Ensemble-{skey}.log")
         for m in settings["methods"] + settings["references"]:
             own = method_server(settings, m)
-            mkey = server_key(settings, own) if own else skey
+            mkey = server_key(settings, own)     # skey unless the method has knobs of its own
             jobs[m] = Job("method", f"{m} seed {seed}", d / f"server-{mkey}" / f"{m}.json",
                           {"method": m, "server_override": own}, d / "logs" / f"{m}-{mkey}.log")
         out["seeds"][seed] = {"dir": d, "jobs": jobs}

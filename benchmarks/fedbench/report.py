@@ -100,6 +100,11 @@ TABLE_COLUMNS = [("method", "method", None), ("test acc (%)", "test_acc", "acc")
                  ("distillation (s)", "distill_s", "s"), ("peak memory (MB)", "peak_rss_mb", "mb")]
 
 
+def knob_words(knobs: Dict[str, Any]) -> str:
+    """A method's own knobs (--method-set) as the table writes them: ``key=value, ...``."""
+    return ", ".join(f"{k}={v}" for k, v in knobs.items())
+
+
 def markdown(result: Dict[str, Any]) -> str:
     st = result["settings"]
     part = {"hetero": f"Dirichlet alpha={st['alpha']}", "pathological": f"#C={st['classes_per_client']}",
@@ -122,7 +127,7 @@ def markdown(result: Dict[str, Any]) -> str:
              "trained on all clients' data (upper bound); peak memory: the child process's max RSS "
              "(in brackets: its growth during the method, above what loading torch, the data and the "
              "client models took)."
-             + "".join(f" {m} runs with {', '.join(f'{k}={v}' for k, v in knobs.items())} (--method-set)."
+             + "".join(f" {m} runs with {knob_words(knobs)} (--method-set)."
                        for m, knobs in (st.get("method_server") or {}).items()), "",
              "| " + " | ".join(c[0] for c in columns) + " |",
              "|" + "|".join(["---"] + ["---:"] * (len(columns) - 1)) + "|"]
@@ -133,7 +138,7 @@ def markdown(result: Dict[str, Any]) -> str:
                 label = row["method"] + (" (reference)" if row["kind"] == "reference" else "")
                 own = (st.get("method_server") or {}).get(row["method"])
                 if own:
-                    label += " {" + ", ".join(f"{k}={v}" for k, v in own.items()) + "}"
+                    label += " {" + knob_words(own) + "}"
                 if row.get("num_synthetic_per_seed") and st.get("budget") == "time" and row["kind"] != "reference":
                     label += f" [{row['num_synthetic']:.0f} images]"
                 if row.get("errors"):

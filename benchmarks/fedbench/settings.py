@@ -230,8 +230,9 @@ def derive_budget(server: Dict[str, Any], explicit: Sequence[str]) -> Dict[str, 
 
 
 # Keys --method-set may not change: the budget is the same for every method, and the benchmark sets the rest.
-BUDGET_KEYS = ("num_synthetic", "synthesis_batch_size", "inversion_iters", "distill_epochs", "distill_batch_size",
-               "gen_epochs", "gen_batch_size", "gen_steps", "gen_kd_steps", "student_init")
+# (the presets' server keys, which are budgets only, and what derive_budget() and --student-init set)
+BUDGET_KEYS = tuple(sorted({k for preset in PRESETS.values() for k in preset["server"]}
+                           | {"gen_batch_size", "gen_steps", "gen_kd_steps", "student_init"}))
 RESERVED_KEYS = ("seed", "output_dir", "resume", "progress", "tensorboard", "save_images")
 
 
