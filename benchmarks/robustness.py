@@ -4,6 +4,7 @@ DeepInversion and one-shot FedAvg on the same uploads, five seeds per cell.
     python benchmarks/robustness.py                    # the whole matrix, 5 seeds, --jobs 2
     python benchmarks/robustness.py --cells digits_K5_a0.5 --seeds 0 1 --name probe
     python benchmarks/robustness.py --set relabel_weight=4 --name lambda4   # an ablation row set
+    python benchmarks/robustness.py --change robust_defaults lambda4 --name lambda4_change
 
 Every cell goes through the plugin's own data path (``fedml_fedmitr.data.load_data`` with a
 FedML-style ``args``), the plugin's model factory, and the core's client training, so a cell gives
@@ -609,6 +610,88 @@ def merge_results(a, argv) -> int:
                         "\nMerged from: " + "; ".join(f"`{s['command']}`" for s in sources) + "\n")
 
 
+def change_table(base: Dict[str, Any], other: Dict[str, Any], method: str = "FedMITR") -> Dict[str, Any]:
+    """``method`` in ``other`` minus the same method in ``base``, paired by (cell, seed), per cell and
+    over every pair. The two results must hold the same uploads (the same ensemble and client
+    accuracies on each pair): a change is only measured on the same clients."""
+    def index(blob, name):
+        out = {}
+        for r in blob["records"]:
+            if method in r["methods"]:
+                out[(r["cell"], r["seed"])] = r
+        if not out:
+            raise SystemExit(f"--change: {name} holds no {method} record")
+        return out
+    b, o = index(base, base["settings"]["name"]), index(other, other["settings"]["name"])
+    pairs = [k for k in b if k in o]
+    if not pairs:
+        raise SystemExit(f"--change: {base['settings']['name']} and {other['settings']['name']} share no (cell, seed)")
+    for k in pairs:
+        if b[k]["client_acc"] != o[k]["client_acc"]:
+            raise SystemExit(f"--change: cell {k[0]} seed {k[1]} holds different client uploads in the two results "
+                             f"(client accuracies {b[k]['client_acc']} vs {o[k]['client_acc']}); rerun both on one cache")
+    cells = [c for c in CELLS if any(k[0] == c for k in pairs)]
+    rows = {}
+    for c in cells:
+        ks = sorted(k for k in pairs if k[0] == c)
+        rb = [b[k]["methods"][method] for k in ks]
+        ro = [o[k]["methods"][method] for k in ks]
+        rows[c] = {"seeds": [k[1] for k in ks], "base": _mean([r["test_acc"] for r in rb]),
+                   "other": _mean([r["test_acc"] for r in ro]), "teacher_base": _mean([r["teacher_acc"] for r in rb]),
+                   "teacher_other": _mean([r["teacher_acc"] for r in ro]),
+                   "base_collapsed_seeds": [k[1] for k, r in zip(ks, rb) if r.get("collapsed")],
+                   "other_collapsed_seeds": [k[1] for k, r in zip(ks, ro) if r.get("collapsed")],
+                   "change": paired([x["test_acc"] - y["test_acc"] for x, y in zip(ro, rb)])}
+    every = paired([o[k]["methods"][method]["test_acc"] - b[k]["methods"][method]["test_acc"]
+                    for k in sorted(pairs, key=lambda k: (cells.index(k[0]), k[1]))])
+    cell_means = [r["change"]["mean_diff"] / 100.0 for r in rows.values()]
+    return {"method": method, "base": base["settings"]["name"], "other": other["settings"]["name"],
+            "base_overrides": base["settings"].get("overrides", {}), "other_overrides": other["settings"].get("overrides", {}),
+            "cells": rows, "all_pairs": every, "cells_up": sum(d > 0 for d in cell_means),
+            "cells_down": sum(d < 0 for d in cell_means)}
+
+
+def change_markdown(t: Dict[str, Any], command: str) -> str:
+    def ci(d):
+        return f"{d['mean_diff']:+.1f}" + ("" if d["ci95"] is None else f" [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]")
+    m = t["method"]
+    lines = [f"# {m}: {t['other']} minus {t['base']}, on the same uploads", "", f"Command: `{command}`", "",
+             f"Overrides: {t['base']} {t['base_overrides'] or 'none (defaults)'}; {t['other']} "
+             f"{t['other_overrides'] or 'none (defaults)'}. Test accuracy %, mean over seeds; the change is "
+             f"paired by seed, in points [95% interval, t distribution]; collapsed: seeds whose global model never "
+             f"predicts a class its teacher gets right at least once.", "",
+             f"| cell | seeds | teacher ({t['base']} / {t['other']}) | {m}, {t['base']} | {m}, {t['other']} | change | "
+             f"collapsed seeds ({t['base']} / {t['other']}) |", "|---|---:|---:|---:|---:|---:|---|"]
+    for c, r in t["cells"].items():
+        col = " / ".join(", ".join(map(str, s)) or "none" for s in (r["base_collapsed_seeds"], r["other_collapsed_seeds"]))
+        per = " / ".join(f"{v:+.1f}" for v in r["change"]["per_seed"])
+        lines.append(f"| {c} | {len(r['seeds'])} | {100 * r['teacher_base']:.1f} / {100 * r['teacher_other']:.1f} | "
+                     f"{100 * r['base']:.1f} | {100 * r['other']:.1f} | {ci(r['change'])} ({per}) | {col} |")
+    n = len(t["all_pairs"]["per_seed"])
+    lines += ["", f"Over all {n} (cell, seed) pairs: {ci(t['all_pairs'])}; the cell mean rises in {t['cells_up']} "
+              f"of {len(t['cells'])} cells and falls in {t['cells_down']}."]
+    return "\n".join(lines) + "\n"
+
+
+def change_results(a, argv) -> int:
+    """``--change BASE OTHER``: one method's paired change between two results on the same uploads."""
+    blobs = []
+    for name in a.change:
+        path = RESULTS / f"{name}.json"
+        if not path.is_file():
+            raise SystemExit(f"--change: no result {name}.json in benchmarks/results (expected the --name of a "
+                             "robustness.py result)")
+        blobs.append(json.loads(path.read_text()))
+    table = change_table(blobs[0], blobs[1], a.change_method)
+    command = "python benchmarks/robustness.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{a.name}.json").write_text(json.dumps(dict(table, command=command), indent=1))
+    md = change_markdown(table, command)
+    (RESULTS / f"{a.name}.md").write_text(md)
+    print(md)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cells", nargs="+", default=MATRIX, choices=list(CELLS))
@@ -624,6 +707,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--merge", nargs="+", metavar="NAME",
                    help="write --name from the records of these earlier results (benchmarks/results/NAME.json), "
                         "the methods of each (cell, seed) joined; runs nothing")
+    p.add_argument("--change", nargs=2, metavar=("BASE", "OTHER"),
+                   help="write --name: the paired change of --change-method from result BASE to result OTHER "
+                        "(benchmarks/results/NAME.json, the same uploads), per cell and over all pairs; runs nothing")
+    p.add_argument("--change-method", default="FedMITR", help="the method --change compares (default FedMITR)")
     p.add_argument("--plots", action="store_true",
                    help="also draw each cell's learning curves into benchmarks/results/NAME_curves/")
     p.add_argument("--split", choices=["test", "val"], default="test",
@@ -632,6 +719,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     overrides = parse_set(a.set)
     if a.merge:
         return merge_results(a, argv)
+    if a.change:
+        if a.name == "robust_defaults":
+            raise SystemExit("--change: give the report its own --name (robust_defaults is the defaults' matrix)")
+        return change_results(a, argv)
     from fedml_fedmitr.core.config import FedMITRConfig
     FedMITRConfig.from_dict(dict(BUDGET, **overrides), where="--set")   # fail before any work
     build_data()

@@ -1,0 +1,64 @@
+"""benchmarks/robustness.py --change: one method's paired change between two results on the same
+uploads (an option or a new default measured against the defaults). Synthetic result files; no torch."""
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import robustness  # noqa: E402
+
+
+def _result(name, accs, overrides=None, clients=None, collapsed=()):
+    """A robustness result with one FedMITR record per (cell, seed) of ``accs``."""
+    records = []
+    for (cell, seed), acc in accs.items():
+        records.append({"cell": cell, "seed": seed, "client_acc": (clients or {}).get((cell, seed), [0.5, 0.6]),
+                        "methods": {"FedMITR": {"test_acc": acc, "teacher_acc": 0.8,
+                                                "collapsed": (cell, seed) in collapsed}}})
+    return {"settings": {"name": name, "overrides": overrides or {}, "command": "x"}, "records": records}
+
+
+def test_change_is_paired_by_cell_and_seed():
+    base = _result("base", {("digits_K5_a0.5", 0): 0.40, ("digits_K5_a0.5", 1): 0.50, ("mnist_K5_a0.1", 0): 0.30,
+                            ("mnist_K5_a0.1", 1): 0.20, ("mnist_K5_a0.1", 2): 0.25})
+    other = _result("other", {("digits_K5_a0.5", 0): 0.45, ("digits_K5_a0.5", 1): 0.53, ("mnist_K5_a0.1", 0): 0.28,
+                              ("mnist_K5_a0.1", 1): 0.20}, overrides={"teacher_debias": "pool"},
+                    collapsed={("mnist_K5_a0.1", 1)})
+    t = robustness.change_table(base, other)
+    digits, mnist = t["cells"]["digits_K5_a0.5"], t["cells"]["mnist_K5_a0.1"]
+    assert digits["change"]["per_seed"] == pytest.approx([5.0, 3.0])
+    assert digits["change"]["mean_diff"] == pytest.approx(4.0)
+    low, high = digits["change"]["ci95"]
+    assert low < 4.0 < high and high - low == pytest.approx(2 * 12.706, rel=1e-3)   # t(1) x sd 2**0.5 / 2**0.5
+    assert mnist["seeds"] == [0, 1]                   # seed 2 is only in the base: not a pair
+    assert mnist["change"]["mean_diff"] == pytest.approx(-1.0)
+    assert mnist["other_collapsed_seeds"] == [1] and mnist["base_collapsed_seeds"] == []
+    assert t["all_pairs"]["per_seed"] == pytest.approx([5.0, 3.0, -2.0, 0.0])
+    assert (t["cells_up"], t["cells_down"]) == (1, 1)
+    md = robustness.change_markdown(t, "cmd")
+    assert "| digits_K5_a0.5 | 2 |" in md and "+4.0 [" in md and "Over all 4 (cell, seed) pairs" in md
+
+
+def test_change_refuses_results_from_different_uploads():
+    base = _result("base", {("digits_K5_a0.5", 0): 0.4})
+    other = _result("other", {("digits_K5_a0.5", 0): 0.4}, clients={("digits_K5_a0.5", 0): [0.5, 0.7]})
+    with pytest.raises(SystemExit, match="digits_K5_a0.5 seed 0 holds different client uploads"):
+        robustness.change_table(base, other)
+
+
+def test_change_cli_writes_its_report_and_names_a_missing_result(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(robustness, "RESULTS", tmp_path)
+    accs = {("digits_K2_a0.5", s): 0.5 + 0.01 * s for s in range(3)}
+    (tmp_path / "a.json").write_text(json.dumps(_result("a", accs)))
+    (tmp_path / "b.json").write_text(json.dumps(_result("b", {k: v + 0.02 for k, v in accs.items()})))
+    assert robustness.main(["--change", "a", "b", "--name", "a_to_b"]) == 0
+    out = json.loads((tmp_path / "a_to_b.json").read_text())
+    assert out["all_pairs"]["mean_diff"] == pytest.approx(2.0)
+    assert out["command"] == "python benchmarks/robustness.py --change a b --name a_to_b"
+    assert (tmp_path / "a_to_b.md").read_text().startswith("# FedMITR: b minus a")
+    with pytest.raises(SystemExit, match="missing.json"):
+        robustness.main(["--change", "a", "missing", "--name", "x"])
