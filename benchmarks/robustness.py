@@ -45,7 +45,7 @@ for _p in (str(ROOT), str(ROOT / "benchmarks")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from fedbench.stats import paired  # noqa: E402
+from fedbench.stats import fmt_paired, paired  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 CACHE = ROOT / "benchmarks" / "cache" / "robust"
@@ -567,6 +567,11 @@ def parse_set(items: Sequence[str]) -> Dict[str, Any]:
     return out
 
 
+def _command(argv: Optional[Sequence[str]]) -> str:
+    """The command line a result file records (the script's own arguments)."""
+    return "python benchmarks/robustness.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
 def write_report(a, settings, summary, records, tail: str = "") -> int:
     """``results/<name>.json`` and ``.md`` (and, with ``--plots``, the learning curves)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -605,15 +610,15 @@ def merge_results(a, argv) -> int:
     summary = summarise(records, cells, seeds, methods)
     first = json.loads((RESULTS / f"{a.merge[0]}.json").read_text())["settings"]
     settings = dict(first, name=a.name, methods=methods, seeds=seeds, merged_from=sources,
-                    command="python benchmarks/robustness.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+                    command=_command(argv))
     return write_report(a, settings, summary, records,
                         "\nMerged from: " + "; ".join(f"`{s['command']}`" for s in sources) + "\n")
 
 
 def change_table(base: Dict[str, Any], other: Dict[str, Any], method: str = "FedMITR") -> Dict[str, Any]:
     """``method`` in ``other`` minus the same method in ``base``, paired by (cell, seed), per cell and
-    over every pair. The two results must hold the same uploads (the same ensemble and client
-    accuracies on each pair): a change is only measured on the same clients."""
+    over every pair. The two results must hold the same uploads (the same client accuracies on each
+    pair): a change is only measured on the same clients."""
     def index(blob, name):
         out = {}
         for r in blob["records"]:
@@ -631,29 +636,27 @@ def change_table(base: Dict[str, Any], other: Dict[str, Any], method: str = "Fed
             raise SystemExit(f"--change: cell {k[0]} seed {k[1]} holds different client uploads in the two results "
                              f"(client accuracies {b[k]['client_acc']} vs {o[k]['client_acc']}); rerun both on one cache")
     cells = [c for c in CELLS if any(k[0] == c for k in pairs)]
-    rows = {}
+    rows, diffs = {}, []
     for c in cells:
         ks = sorted(k for k in pairs if k[0] == c)
         rb = [b[k]["methods"][method] for k in ks]
         ro = [o[k]["methods"][method] for k in ks]
+        d = [x["test_acc"] - y["test_acc"] for x, y in zip(ro, rb)]
+        diffs += d
         rows[c] = {"seeds": [k[1] for k in ks], "base": _mean([r["test_acc"] for r in rb]),
                    "other": _mean([r["test_acc"] for r in ro]), "teacher_base": _mean([r["teacher_acc"] for r in rb]),
                    "teacher_other": _mean([r["teacher_acc"] for r in ro]),
                    "base_collapsed_seeds": [k[1] for k, r in zip(ks, rb) if r.get("collapsed")],
                    "other_collapsed_seeds": [k[1] for k, r in zip(ks, ro) if r.get("collapsed")],
-                   "change": paired([x["test_acc"] - y["test_acc"] for x, y in zip(ro, rb)])}
-    every = paired([o[k]["methods"][method]["test_acc"] - b[k]["methods"][method]["test_acc"]
-                    for k in sorted(pairs, key=lambda k: (cells.index(k[0]), k[1]))])
-    cell_means = [r["change"]["mean_diff"] / 100.0 for r in rows.values()]
+                   "change": paired(d)}
+    cell_means = [r["change"]["mean_diff"] for r in rows.values()]
     return {"method": method, "base": base["settings"]["name"], "other": other["settings"]["name"],
             "base_overrides": base["settings"].get("overrides", {}), "other_overrides": other["settings"].get("overrides", {}),
-            "cells": rows, "all_pairs": every, "cells_up": sum(d > 0 for d in cell_means),
+            "cells": rows, "all_pairs": paired(diffs), "cells_up": sum(d > 0 for d in cell_means),
             "cells_down": sum(d < 0 for d in cell_means)}
 
 
 def change_markdown(t: Dict[str, Any], command: str) -> str:
-    def ci(d):
-        return f"{d['mean_diff']:+.1f}" + ("" if d["ci95"] is None else f" [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]")
     m = t["method"]
     lines = [f"# {m}: {t['other']} minus {t['base']}, on the same uploads", "", f"Command: `{command}`", "",
              f"Overrides: {t['base']} {t['base_overrides'] or 'none (defaults)'}; {t['other']} "
@@ -666,9 +669,9 @@ def change_markdown(t: Dict[str, Any], command: str) -> str:
         col = " / ".join(", ".join(map(str, s)) or "none" for s in (r["base_collapsed_seeds"], r["other_collapsed_seeds"]))
         per = " / ".join(f"{v:+.1f}" for v in r["change"]["per_seed"])
         lines.append(f"| {c} | {len(r['seeds'])} | {100 * r['teacher_base']:.1f} / {100 * r['teacher_other']:.1f} | "
-                     f"{100 * r['base']:.1f} | {100 * r['other']:.1f} | {ci(r['change'])} ({per}) | {col} |")
+                     f"{100 * r['base']:.1f} | {100 * r['other']:.1f} | {fmt_paired(r['change'])} ({per}) | {col} |")
     n = len(t["all_pairs"]["per_seed"])
-    lines += ["", f"Over all {n} (cell, seed) pairs: {ci(t['all_pairs'])}; the cell mean rises in {t['cells_up']} "
+    lines += ["", f"Over all {n} (cell, seed) pairs: {fmt_paired(t['all_pairs'])}; the cell mean rises in {t['cells_up']} "
               f"of {len(t['cells'])} cells and falls in {t['cells_down']}."]
     return "\n".join(lines) + "\n"
 
@@ -683,7 +686,7 @@ def change_results(a, argv) -> int:
                              "robustness.py result)")
         blobs.append(json.loads(path.read_text()))
     table = change_table(blobs[0], blobs[1], a.change_method)
-    command = "python benchmarks/robustness.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = _command(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{a.name}.json").write_text(json.dumps(dict(table, command=command), indent=1))
     md = change_markdown(table, command)
@@ -748,7 +751,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{100 * r['ensemble_acc']:.1f}, {ms}", flush=True)
     records.sort(key=lambda r: (a.cells.index(r["cell"]), r["seed"]))
     summary = summarise(records, a.cells, a.seeds, a.methods)
-    settings = {"name": a.name, "command": "python benchmarks/robustness.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    settings = {"name": a.name, "command": _command(argv),
                 "budget": BUDGET, "overrides": overrides, "split": a.split, "methods": a.methods, "seeds": a.seeds,
                 "cells": {c: CELLS[c] for c in a.cells}, "client_training": CLIENT, "backbones": backbones,
                 "defaults": FedMITRConfig().to_dict(), "wall_s": time.perf_counter() - t0}
