@@ -495,15 +495,7 @@ def markdown(summary: Dict[str, Any], settings: Dict[str, Any]) -> str:
                   "| cell | " + " | ".join(f"FedMITR - {m}" for m in others) + " |",
                   "|---|" + "---:|" * len(others)]
         for c, row in summary.items():
-            vals = []
-            for m in others:
-                d = row.get("paired_vs_fedmitr", {}).get(m)
-                if not d or d["mean_diff"] is None:
-                    vals.append("-")
-                elif d["ci95"] is None:
-                    vals.append(f"{d['mean_diff']:+.1f}")
-                else:
-                    vals.append(f"{d['mean_diff']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]")
+            vals = [fmt_paired(row.get("paired_vs_fedmitr", {}).get(m)) for m in others]
             lines.append(f"| {c} | " + " | ".join(vals) + " |")
     probed = {c: row["attention_probe"] for c, row in summary.items() if "attention_probe" in row}
     if probed:
@@ -512,10 +504,8 @@ def markdown(summary: Dict[str, Any], settings: Dict[str, Any]) -> str:
                   "lowest (bottom); top - random is paired by seed [95% interval].", "",
                   "| cell | k / patches | top-k | random-k | bottom-k | top - random |", "|---|---:|---:|---:|---:|---:|"]
         for c, pr in probed.items():
-            d = pr["top_minus_random"]
-            ci = "" if d["ci95"] is None else f" [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]"
             lines.append(f"| {c} | {pr['k']} / {pr['num_patches']} | {100 * pr['top_k']:.1f} | {100 * pr['random_k']:.1f} | "
-                         f"{100 * pr['bottom_k']:.1f} | {d['mean_diff']:+.1f}{ci} |")
+                         f"{100 * pr['bottom_k']:.1f} | {fmt_paired(pr['top_minus_random'])} |")
     return "\n".join(lines) + "\n"
 
 
