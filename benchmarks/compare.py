@@ -90,6 +90,9 @@ from fedbench.settings import (  # noqa: E402,F401
 from fedbench.store import portable, write_json_atomic  # noqa: E402
 
 SYNTHESIS_METHODS = INVERSION_METHODS | GENERATOR_METHODS
+# the most two query-budget records of one seed may differ in machine speed (their speed_probe_s) before
+# --budget time refuses to combine them; two jobs side by side on one idle machine differ by far less
+SPEED_TOLERANCE = 1.3
 
 
 def plan(settings: Dict[str, Any], cache: Path) -> Dict[str, Any]:
@@ -130,6 +133,7 @@ def time_budget_jobs(settings: Dict[str, Any], p: Dict[str, Any], seed: int) -> 
     if ref is None or not ref.get("synthesis_s"):
         raise RuntimeError(f"no query-budget record of {settings['time_reference']} (seed {seed})")
     seconds = float(ref["synthesis_s"])
+    speed = check_same_speed(settings, jobs, seed)
     server = settings["server"]
     batch = int(server["synthesis_batch_size"])
     counts: Dict[str, int] = {}
@@ -151,8 +155,37 @@ def time_budget_jobs(settings: Dict[str, Any], p: Dict[str, Any], seed: int) -> 
         out[m] = Job("method", f"{m} seed {seed} (time budget)", d / f"server-{key}" / f"{m}.json",
                      {"method": m, "server_override": override, "seed": seed,
                       "clients": jobs["clients"].spec["checkpoint"]}, d / "logs" / f"{m}-{key}.log")
-    out["_budget"] = {"seconds": seconds, "images": counts}   # type: ignore[assignment]
+    out["_budget"] = {"seconds": seconds, "images": counts, **speed}   # type: ignore[assignment]
     return out
+
+
+def check_same_speed(settings: Dict[str, Any], jobs: Dict[str, Job], seed: int) -> Dict[str, Any]:
+    """The time budget multiplies one record's seconds by another's images per second, so the query-budget
+    records of one seed must be timed at one machine speed (a suite resumed in another session, on another
+    machine, can mix them). Each record's ``speed_probe_s`` (a fixed forward and backward pass of the
+    student, timed just before the method) is compared with the reference's: a ratio beyond
+    SPEED_TOLERANCE is refused, naming the records to delete and recompute; records made before the probe
+    existed are listed as unchecked in the budget."""
+    ref_name = settings["time_reference"]
+    ref = jobs[ref_name].result.get("speed_probe_s")
+    ratios: Dict[str, float] = {}
+    unchecked = []
+    for m in settings["methods"]:
+        r = jobs[m].result
+        if m == ref_name or m not in SYNTHESIS_METHODS or r is None or not r.get("num_synthetic"):
+            continue
+        if ref and r.get("speed_probe_s"):
+            ratios[m] = float(r["speed_probe_s"]) / float(ref)
+        else:
+            unchecked.append(m)
+    off = {m: q for m, q in ratios.items() if not 1 / SPEED_TOLERANCE <= q <= SPEED_TOLERANCE}
+    if off:
+        names = ", ".join(f"{m} ({q:.2f}x {ref_name}'s probe time)" for m, q in off.items())
+        paths = " ".join(str(jobs[m].out) for m in [ref_name, *off])
+        raise RuntimeError(f"seed {seed}: the query-budget records of {names} were timed at another machine "
+                           f"speed than {ref_name}'s, so a time budget built from them would be wrong; delete "
+                           f"{paths} and rerun the command to time them together")
+    return {"speed_ratio": ratios, "speed_unchecked": unchecked}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -98,6 +98,9 @@ def test_compare_smoke_schema_table_and_cached_clients(procs, tmp_home, tmp_path
     assert records["FedMITR"]["synthesis_s"] > 0 and records["FedMITR"]["images_per_s"] > 0
     assert records["FedMITR"]["ensemble_queries"] >= st["budget_detail"]["synthesis_ensemble_queries"]
     assert records["OneShotFedAvg"]["num_synthetic"] == 0
+    # each cached method record carries the machine speed it was timed at (for --budget time)
+    raw = json.loads(next((tmp_path / "cache").rglob("FedMITR.json")).read_text())
+    assert raw["speed_probe_s"] > 0
     # the same client models under every method: the same ensemble accuracy
     assert records["FedMITR"]["ensemble_acc"] == pytest.approx(records["Ensemble"]["test_acc"])
     assert records["OneShotFedAvg"]["ensemble_acc"] == pytest.approx(records["Ensemble"]["test_acc"])
@@ -291,7 +294,8 @@ def test_time_budget_turns_the_reference_seconds_into_images(tmp_path):
     assert images == {"FedMITR": 160, "DeepInversion": 40, "DENSE": 20, "OneShotFedAvg": None, "KD-real": 160}
     assert out["DENSE"].spec["server_override"]["gen_batch_size"] == 10      # 2 generator epochs x 10 images
     assert out["FedMITR"].spec["server_override"]["gen_kd_steps"] == 8       # 2 epochs x 8 batches, over 2
-    assert out["_budget"] == {"seconds": 10.0, "images": {"FedMITR": 160, "DeepInversion": 40, "DENSE": 20}}
+    assert out["_budget"] == {"seconds": 10.0, "images": {"FedMITR": 160, "DeepInversion": 40, "DENSE": 20},
+                              "speed_ratio": {}, "speed_unchecked": ["FedMITR", "DENSE"]}   # no probe in these records
     # the reference's own time-budget job is its query-budget job (same knobs, same record path)
     skey = cmp.server_key(dict(settings, server=server))
     assert out["DeepInversion"].out.parent.name == f"server-{skey}"
@@ -299,6 +303,53 @@ def test_time_budget_turns_the_reference_seconds_into_images(tmp_path):
     jobs["DeepInversion"].result = None
     with pytest.raises(RuntimeError, match="DeepInversion"):
         cmp.time_budget_jobs(settings, plan, 0)
+
+
+def test_time_budget_refuses_records_timed_at_another_machine_speed(tmp_path):
+    """The time budget multiplies the reference's seconds by each method's images per second: records of
+    one seed timed on machines of different speed (a suite resumed elsewhere) are refused, naming the
+    records to recompute; the same speed within the tolerance passes and is recorded in the budget."""
+    cmp = load_compare()
+    server = dict(num_synthetic=40, synthesis_batch_size=20, inversion_iters=10, distill_epochs=2,
+                  distill_batch_size=20, gen_epochs=2, gen_batch_size=20, gen_steps=10, gen_kd_steps=2)
+    settings = {"methods": ["FedMITR", "DeepInversion", "OneShotFedAvg"], "references": [],
+                "time_reference": "DeepInversion", "server": server, "server_explicit": [], "threads_per_job": 1}
+    jobs = {m: _job(cmp, tmp_path, m) for m in settings["methods"]}
+    jobs["clients"] = cmp.Job("clients", "clients", tmp_path / "clients.json", {"checkpoint": "c.pt"}, tmp_path / "c.log")
+    plan = {"seeds": {0: {"dir": tmp_path, "jobs": jobs}}}
+
+    def timed(fedmitr_probe):
+        jobs["FedMITR"].result = {"ok": True, "synthesis_s": 2.5, "num_synthetic": 40, "speed_probe_s": fedmitr_probe}
+        jobs["DeepInversion"].result = {"ok": True, "synthesis_s": 10.0, "num_synthetic": 40, "speed_probe_s": 0.02}
+        jobs["OneShotFedAvg"].result = {"ok": True, "synthesis_s": 0.0, "num_synthetic": 0, "speed_probe_s": 0.05}
+        return cmp.time_budget_jobs(settings, plan, 0)
+
+    out = timed(0.022)                 # 10% slower: one machine
+    assert out["_budget"]["speed_ratio"] == {"FedMITR": pytest.approx(1.1)}
+    assert out["_budget"]["speed_unchecked"] == [] and out["_budget"]["images"]["FedMITR"] == 160
+    with pytest.raises(RuntimeError, match=r"seed 0: .*FedMITR \(0\.50x DeepInversion's.*delete .*FedMITR\.json"):
+        timed(0.01)                    # timed on a machine twice as fast
+    with pytest.raises(RuntimeError, match="FedMITR"):
+        timed(0.04)
+    # the table says what was checked
+    from fedbench.report import speed_words
+    assert "1.10-1.10x" in speed_words({"0": out["_budget"]})
+    assert "not checked on seed(s) 3" in speed_words({"0": out["_budget"], "3": {"speed_unchecked": ["DENSE"]}})
+    assert speed_words({}) == ""
+
+
+def test_the_speed_probe_times_the_model_and_leaves_the_random_stream_alone():
+    load_compare()
+    import torch
+
+    from fedbench.jobs import speed_probe
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    seconds = speed_probe(lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 5)), (3, 4, 4),
+                          torch.device("cpu"), batch=8, repeats=3)
+    assert seconds > 0
+    assert torch.equal(torch.rand(4), expected)      # the method after the probe draws what it would have
 
 
 def test_the_table_names_the_teacher_the_server_settings_chose():

@@ -22,6 +22,26 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
+def speed_probe(model_fn, input_shape, device, batch: int = 32, repeats: int = 7) -> float:
+    """Seconds of one forward and backward pass of a fresh student on a fixed random batch (the median
+    of ``repeats``): how fast this machine runs the benchmark's model right now, with this process's
+    threads. The time budget compares it between the records it combines (``compare.time_budget_jobs``).
+    The RNG state is restored, so the method that follows draws what it would have drawn."""
+    import torch
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_fn().to(device)
+        x = torch.randn(batch, *input_shape, device=device)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model(x).float().logsumexp(1).mean().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t)
+    return sorted(times)[repeats // 2]
+
+
 def build_model(settings: Dict[str, Any], num_classes: int, pretrained_path: Optional[str] = None,
                 timm_pretrained: bool = False):
     from fedml_fedmitr.core.models import create_vit
@@ -257,6 +277,7 @@ def job_method(job: Dict[str, Any], device) -> Dict[str, Any]:
             return plain_distill(pool, c)
 
         method.distill = distill
+    speed_s = speed_probe(model_fn, info.input_shape, device)
     rss_before = _peak_rss_mb()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -269,7 +290,7 @@ def job_method(job: Dict[str, Any], device) -> Dict[str, Any]:
            "start_acc": seen.get("start", m.get("test_acc")), "curve": recorder.curve,
            "synthesis_s": timings.get("synthesis_s"), "images_per_s": m.get("images_per_s"),
            "distill_s": timings.get("distill_s"), "total_s": total, "num_synthetic": m.get("num_synthetic"),
-           "ensemble_queries": counter["n"], "rss_before_run_mb": rss_before,
+           "ensemble_queries": counter["n"], "rss_before_run_mb": rss_before, "speed_probe_s": speed_s,
            "per_class_acc": m.get("per_class_acc"), "pool_ensemble_fit": m.get("pool_ensemble_fit"),
            "pool": m.get("pool"),
            "clients_used": m.get("clients_used"), "screening": m.get("screening"),

@@ -23,9 +23,22 @@ def paired_vs(per_seed: Dict[str, Dict[int, Dict[str, Any]]], base: str, other: 
 
 def budget_words(st: Dict[str, Any]) -> str:
     if st.get("budget") == "time":
-        return (f"equal synthesis time: every synthesis method gets the seconds {st.get('time_reference')} "
-                "took at the query budget, as many images as its own speed makes in them")
+        words = (f"equal synthesis time: every synthesis method gets the seconds {st.get('time_reference')} "
+                 "took at the query budget, as many images as its own speed makes in them")
+        return words + speed_words(st.get("time_budget") or {})
     return "equal ensemble queries"
+
+
+def speed_words(budgets: Dict[str, Dict[str, Any]]) -> str:
+    """Whether the query-budget records each seed's time budget combines were timed at one machine speed."""
+    ratios = [q for b in budgets.values() for q in (b.get("speed_ratio") or {}).values()]
+    unchecked = [s for s, b in budgets.items() if b.get("speed_unchecked")]
+    out = ""
+    if ratios:
+        out += f"; machine speed of those records checked (speed probe {min(ratios):.2f}-{max(ratios):.2f}x the reference's)"
+    if unchecked:
+        out += f"; not checked on seed(s) {', '.join(unchecked)} (records made before the speed probe)"
+    return out
 
 
 def teacher_words(server: Dict[str, Any]) -> str:
