@@ -91,8 +91,9 @@ from fedbench.store import portable, write_json_atomic  # noqa: E402
 
 SYNTHESIS_METHODS = INVERSION_METHODS | GENERATOR_METHODS
 # the most two query-budget records of one seed may differ in machine speed (their speed_probe_s) before
-# --budget time refuses to combine them; two jobs side by side on one idle machine differ by far less
-SPEED_TOLERANCE = 1.3
+# --budget time refuses to combine them: jobs side by side on one machine were measured within 1.25x of
+# each other, the slow and the normal machines of this project's sessions 1.8-2.5x apart
+SPEED_TOLERANCE = 1.5
 
 
 def plan(settings: Dict[str, Any], cache: Path) -> Dict[str, Any]:

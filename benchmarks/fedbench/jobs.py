@@ -22,10 +22,10 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def speed_probe(model_fn, input_shape, device, batch: int = 32, repeats: int = 7) -> float:
-    """Seconds of one forward and backward pass of a fresh student on a fixed random batch (the median
-    of ``repeats``): how fast this machine runs the benchmark's model right now, with this process's
-    threads. The time budget compares it between the records it combines (``compare.time_budget_jobs``).
+def speed_probe(model_fn, input_shape, device, batch: int = 64, repeats: int = 9) -> float:
+    """Seconds of one forward and backward pass of a fresh student on a fixed random batch (the fastest
+    of ``repeats``, the least disturbed by a job beside it): how fast this machine runs the benchmark's
+    model, with this process's threads. The time budget compares it between the records it combines (``compare.time_budget_jobs``).
     The RNG state is restored, so the method that follows draws what it would have drawn."""
     import torch
     with torch.random.fork_rng(devices=[]):
@@ -39,7 +39,7 @@ def speed_probe(model_fn, input_shape, device, batch: int = 32, repeats: int = 7
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t)
-    return sorted(times)[repeats // 2]
+    return min(times)
 
 
 def build_model(settings: Dict[str, Any], num_classes: int, pretrained_path: Optional[str] = None,
