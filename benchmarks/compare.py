@@ -134,7 +134,6 @@ def time_budget_jobs(settings: Dict[str, Any], p: Dict[str, Any], seed: int) -> 
     if ref is None or not ref.get("synthesis_s"):
         raise RuntimeError(f"no query-budget record of {settings['time_reference']} (seed {seed})")
     seconds = float(ref["synthesis_s"])
-    speed = check_same_speed(settings, jobs, seed)
     server = settings["server"]
     batch = int(server["synthesis_batch_size"])
     counts: Dict[str, int] = {}
@@ -143,6 +142,7 @@ def time_budget_jobs(settings: Dict[str, Any], p: Dict[str, Any], seed: int) -> 
         if m in SYNTHESIS_METHODS and r is not None and r.get("synthesis_s") and r.get("num_synthetic"):
             rate = float(r["num_synthetic"]) / float(r["synthesis_s"])
             counts[m] = max(batch, int(round(seconds * rate / batch)) * batch)
+    speed = check_same_speed(settings, jobs, counts, seed)
     out: Dict[str, Job] = {}
     d = p["seeds"][seed]["dir"]
     for m in settings["methods"] + settings["references"]:
@@ -160,23 +160,24 @@ def time_budget_jobs(settings: Dict[str, Any], p: Dict[str, Any], seed: int) -> 
     return out
 
 
-def check_same_speed(settings: Dict[str, Any], jobs: Dict[str, Job], seed: int) -> Dict[str, Any]:
+def check_same_speed(settings: Dict[str, Any], jobs: Dict[str, Job], counts: Dict[str, int],
+                     seed: int) -> Dict[str, Any]:
     """The time budget multiplies one record's seconds by another's images per second, so the query-budget
     records of one seed must be timed at one machine speed (a suite resumed in another session, on another
     machine, can mix them). Each record's ``speed_probe_s`` (a fixed forward and backward pass of the
     student, timed just before the method) is compared with the reference's: a ratio beyond
     SPEED_TOLERANCE is refused, naming the records to delete and recompute; records made before the probe
-    existed are listed as unchecked in the budget."""
+    existed are listed as unchecked in the budget. ``counts``: the methods the budget gives images to."""
     ref_name = settings["time_reference"]
     ref = jobs[ref_name].result.get("speed_probe_s")
     ratios: Dict[str, float] = {}
     unchecked = []
-    for m in settings["methods"]:
-        r = jobs[m].result
-        if m == ref_name or m not in SYNTHESIS_METHODS or r is None or not r.get("num_synthetic"):
+    for m in counts:
+        probe = jobs[m].result.get("speed_probe_s")
+        if m == ref_name:
             continue
-        if ref and r.get("speed_probe_s"):
-            ratios[m] = float(r["speed_probe_s"]) / float(ref)
+        if ref and probe:
+            ratios[m] = probe / ref
         else:
             unchecked.append(m)
     off = {m: q for m, q in ratios.items() if not 1 / SPEED_TOLERANCE <= q <= SPEED_TOLERANCE}
