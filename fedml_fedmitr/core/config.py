@@ -72,6 +72,10 @@ class FedMITRConfig:
     distill_batch_size: int = 64
     distill_optimizer: str = "adamw"
     distill_lr: float = 1e-3
+    distill_warmup_epochs: int = 0      # > 0: the learning rate rises linearly from distill_lr / steps to
+                                        # distill_lr over the first this-many epochs, then the cosine decay;
+                                        # a student that starts from a good FedAvg is not kicked by full-rate
+                                        # AdamW steps from a fresh optimizer state
     distill_weight_decay: float = 0.05
     relabel_weight: float = 1.0         # lambda of the background KL term [choice]
     kd_temperature: float = 1.0         # T of the background KL (and of kd_full) [choice]
@@ -182,7 +186,7 @@ class FedMITRConfig:
         for key in positive_ints:
             if getattr(self, key) < 1:
                 bad(key, "an integer >= 1")
-        for key in ["distill_epochs", "eval_every", "gen_kd_steps", "min_clients_after_screening"]:
+        for key in ["distill_epochs", "distill_warmup_epochs", "eval_every", "gen_kd_steps", "min_clients_after_screening"]:
             if getattr(self, key) < 0:
                 bad(key, "an integer >= 0")
         for key in ["inversion_lr", "distill_lr", "gen_lr", "kd_temperature",
@@ -196,6 +200,8 @@ class FedMITRConfig:
             v = getattr(self, key)
             if not (v >= 0 and math.isfinite(v)):
                 bad(key, "a finite number >= 0")
+        if self.distill_warmup_epochs and self.distill_warmup_epochs >= self.distill_epochs:
+            bad("distill_warmup_epochs", f"fewer epochs than distill_epochs ({self.distill_epochs}), or 0")
         if not (0.0 < self.prune_ratio < 1.0):
             bad("prune_ratio", "a number in (0, 1)")
         if not (0.0 <= self.screening_min_ratio <= 1.0):
@@ -278,7 +284,8 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "student": ("student_init", "distill_optimizer", "distill_lr", "distill_weight_decay", "distill_batch_size",
                 "distill_augment"),
     "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "foreground_target",
-                     "drift_guard", "guard_fraction", "distill_mixup", "prox_weight", "teacher_debias"),
+                     "drift_guard", "guard_fraction", "distill_mixup", "prox_weight", "teacher_debias",
+                     "distill_warmup_epochs"),
     "ensemble": ("ensemble_weighting", "ensemble_aggregate", "ensemble_calibration", "trim_fraction",
                  "ensemble_batched"),
     "screening": ("client_screening", "screening_images", "screening_iters", "screening_z", "screening_min_ratio",

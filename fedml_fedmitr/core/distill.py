@@ -23,6 +23,10 @@ and the student followed). Before distillation the ensemble's mean softmax over 
 on each view the loss queries (full images, kept tokens, background tokens); its log is then
 subtracted from the ensemble's logits on that view, a prior correction estimated on the pool itself.
 
+Warmup (``distill_warmup_epochs: w > 0``, :func:`distill_schedule`): the learning rate rises linearly
+over the first w epochs before the cosine decay, so a student that starts from a good FedAvg model is
+not moved far by full-rate steps of a fresh AdamW state.
+
 Drift guard (``drift_guard: pool_agreement``): ``guard_fraction`` of the pool (every k-th image,
 so each class keeps its share) is held out of training; after every epoch the student's agreement
 with the ensemble's prediction on those held-out synthetic images is measured, and the student of
@@ -174,7 +178,7 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
     patch = tuple(int(p) for p in student.patch_embed.patch_size)
     steps_per_epoch = (n + cfg.distill_batch_size - 1) // cfg.distill_batch_size
     opt = make_optimizer(student.parameters(), cfg.distill_optimizer, cfg.distill_lr, cfg.distill_weight_decay)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.distill_epochs * steps_per_epoch))
+    sched = distill_schedule(opt, cfg, steps_per_epoch)
     start_epoch = 0
     # the proximal term's anchor: the student as it starts (before a resumed state is loaded)
     anchor = ([p.detach().clone() for p in student.parameters()] if cfg.prox_weight > 0 else None)
@@ -247,6 +251,18 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
                           f"ensemble {guard.best:.1%} on {len(guard.held_out)} held-out synthetic images)")
     student.eval()
     return student
+
+
+def distill_schedule(opt: torch.optim.Optimizer, cfg: FedMITRConfig, steps_per_epoch: int):
+    """Cosine decay over all distillation steps; with ``distill_warmup_epochs`` > 0, a linear rise over
+    those epochs first (from 1/warmup-steps of the rate to the full rate), then the cosine over the rest."""
+    total = max(1, cfg.distill_epochs * steps_per_epoch)
+    warm = cfg.distill_warmup_epochs * steps_per_epoch
+    if warm <= 0:
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
+    rise = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0 / warm, end_factor=1.0, total_iters=warm)
+    decay = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, total - warm))
+    return torch.optim.lr_scheduler.SequentialLR(opt, [rise, decay], milestones=[warm])
 
 
 class DriftGuard:
