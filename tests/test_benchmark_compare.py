@@ -168,6 +168,7 @@ def test_budget_matching_and_seed_aggregation():
                           "distill_batch_size": 1}}})
     assert "| FedMITR (failed: seed 1) | 60.0 ± 10.0 | 50.0 / - / 70.0 |" in table
     assert "| method | test acc (%) | per seed | ensemble acc (%) |" in table
+    assert "Central:" not in table   # the budget line explains only rows the table has
 
     # paired differences: FedMITR minus a method over the seeds both ran, with a t interval
     per_seed = {"FedMITR": {0: {"test_acc": 0.50}, 1: {"test_acc": 0.60}, 2: {"test_acc": 0.70}},

@@ -136,8 +136,10 @@ def markdown(result: Dict[str, Any]) -> str:
              f"Budget ({budget_words(st)}): {bd['synthetic_images']} synthetic images, "
              f"{bd['synthesis_ensemble_queries']} synthesis ensemble queries, "
              f"{bd['distill_steps']} distillation steps of {bd['distill_batch_size']}; "
-             f"student init {st['student_init']}. Ensemble: {teacher_words(st.get('server', {}))}; Central: one model "
-             "trained on all clients' data (upper bound); peak memory: the child process's max RSS "
+             f"student init {st['student_init']}. Ensemble: {teacher_words(st.get('server', {}))}; "
+             + ("Central: one model trained on all clients' data (upper bound); "
+                if any(r["method"].startswith("Central") for r in result["records"]) else "")
+             + "peak memory: the child process's max RSS "
              "(in brackets: its growth during the method, above what loading torch, the data and the "
              "client models took)."
              + "".join(f" {m} runs with {knob_words(knobs)} (--method-set)."
