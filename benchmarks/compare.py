@@ -173,9 +173,9 @@ def check_same_speed(settings: Dict[str, Any], jobs: Dict[str, Job], counts: Dic
     ratios: Dict[str, float] = {}
     unchecked = []
     for m in counts:
-        probe = jobs[m].result.get("speed_probe_s")
         if m == ref_name:
             continue
+        probe = jobs[m].result.get("speed_probe_s")
         if ref and probe:
             ratios[m] = probe / ref
         else:

@@ -138,7 +138,7 @@ def markdown(result: Dict[str, Any]) -> str:
              f"{bd['distill_steps']} distillation steps of {bd['distill_batch_size']}; "
              f"student init {st['student_init']}. Ensemble: {teacher_words(st.get('server', {}))}; "
              + ("Central: one model trained on all clients' data (upper bound); "
-                if any(r["method"].startswith("Central") for r in result["records"]) else "")
+                if any(r["method"] == "Central" for r in result["records"]) else "")
              + "peak memory: the child process's max RSS "
              "(in brackets: its growth during the method, above what loading torch, the data and the "
              "client models took)."

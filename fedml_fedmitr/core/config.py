@@ -186,7 +186,8 @@ class FedMITRConfig:
         for key in positive_ints:
             if getattr(self, key) < 1:
                 bad(key, "an integer >= 1")
-        for key in ["distill_epochs", "distill_warmup_epochs", "eval_every", "gen_kd_steps", "min_clients_after_screening"]:
+        for key in ["distill_epochs", "distill_warmup_epochs", "eval_every", "gen_kd_steps",
+                    "min_clients_after_screening"]:
             if getattr(self, key) < 0:
                 bad(key, "an integer >= 0")
         for key in ["inversion_lr", "distill_lr", "gen_lr", "kd_temperature",
