@@ -284,3 +284,37 @@ def test_warmup_raises_the_rate_then_decays_and_resumes_bit_identically():
                               resume_state=saved[1])
     for (k, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_weight_average_is_the_ema_of_the_steps_and_resumes_bit_identically():
+    import pytest
+
+    from fedml_fedmitr.core.config import ConfigError
+    ens = tiny_ensemble(2)
+    imgs, labels, masks = torch.randn(16, 1, 16, 16), torch.arange(16) % 10, random_mask(16, 16, 4)
+    # one step per epoch (batch >= pool), so the per-epoch checkpoints hold every step's weights
+    cfg = FedMITRConfig(distill_epochs=5, distill_batch_size=16, distill_lr=0.01)
+    steps = {}
+    plain = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg, "cpu", seed=1,
+                            checkpoint=lambda s: steps.setdefault(s["epoch"], copy.deepcopy(s["student"])))
+    ema_cfg = cfg.replace(distill_ema_epochs=2.0)        # horizon 2 steps: decay 1 - 1/2
+    saved = {}
+    averaged = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, ema_cfg, "cpu", seed=1,
+                               checkpoint=lambda s: saved.setdefault(s["epoch"], copy.deepcopy(s)))
+    # the training path is untouched: the student itself takes the same steps
+    for k, v in steps[5].items():
+        assert torch.equal(saved[5]["student"][k], v), k
+    expected = tiny_vit(seed=7).state_dict()
+    for e in range(1, 6):
+        expected = {k: 0.5 * expected[k] + 0.5 * steps[e][k] for k in expected}
+    out = averaged.state_dict()
+    for k, v in expected.items():
+        assert torch.allclose(out[k], v, atol=1e-6), k
+    assert not torch.allclose(out["head.weight"], plain.state_dict()["head.weight"])
+
+    resumed = distill_student(tiny_vit(seed=123), ens, imgs, labels, masks, ema_cfg, "cpu", seed=1,
+                              resume_state=saved[2])
+    for (k, a), b in zip(averaged.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k
+    with pytest.raises(ConfigError, match="distill_ema_epochs"):
+        FedMITRConfig(distill_ema_epochs=-1).validate()

@@ -77,6 +77,9 @@ class FedMITRConfig:
                                         # a student that starts from a good FedAvg is not kicked by full-rate
                                         # AdamW steps from a fresh optimizer state
     distill_weight_decay: float = 0.05
+    distill_ema_epochs: float = 0.0     # > 0: an exponential moving average of the student's weights, its
+                                        # horizon this many epochs (decay 1 - 1 / (epochs x steps per epoch));
+                                        # the average is what is evaluated and returned (timm's ModelEmaV3)
     relabel_weight: float = 1.0         # lambda of the background KL term [choice]
     kd_temperature: float = 1.0         # T of the background KL (and of kd_full) [choice]
     distill_augment: bool = True        # flip and whole-patch shift of image and mask together
@@ -196,7 +199,7 @@ class FedMITRConfig:
             if not (v > 0 and math.isfinite(v)):
                 bad(key, "a finite number > 0")
         for key in ["tv_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight", "prox_weight",
-                    "distill_mixup",
+                    "distill_mixup", "distill_ema_epochs",
                     "coboost_eps", "coboost_mu", "fedftg_div_weight", "screening_z"]:
             v = getattr(self, key)
             if not (v >= 0 and math.isfinite(v)):
@@ -286,7 +289,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
                 "distill_augment"),
     "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "foreground_target",
                      "drift_guard", "guard_fraction", "distill_mixup", "prox_weight", "teacher_debias",
-                     "distill_warmup_epochs"),
+                     "distill_warmup_epochs", "distill_ema_epochs"),
     "ensemble": ("ensemble_weighting", "ensemble_aggregate", "ensemble_calibration", "trim_fraction",
                  "ensemble_batched"),
     "screening": ("client_screening", "screening_images", "screening_iters", "screening_z", "screening_min_ratio",

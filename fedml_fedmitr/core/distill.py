@@ -27,6 +27,11 @@ Warmup (``distill_warmup_epochs: w > 0``, :func:`distill_schedule`): the learnin
 over the first w epochs before the cosine decay, so a student that starts from a good FedAvg model is
 not moved far by full-rate steps of a fresh AdamW state.
 
+Weight averaging (``distill_ema_epochs: h > 0``, :func:`make_ema`): timm's ``ModelEmaV3`` keeps an
+exponential moving average of the student's weights after every step, decay 1 - 1 / (h x steps per
+epoch), so its horizon is h epochs whatever the pool size; the average, not the last step, is
+evaluated, watched by the drift guard, checkpointed and returned. It starts at the student's start.
+
 Drift guard (``drift_guard: pool_agreement``): ``guard_fraction`` of the pool (every k-th image,
 so each class keeps its share) is held out of training; after every epoch the student's agreement
 with the ensemble's prediction on those held-out synthetic images is measured, and the student of
@@ -179,6 +184,8 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
     steps_per_epoch = (n + cfg.distill_batch_size - 1) // cfg.distill_batch_size
     opt = make_optimizer(student.parameters(), cfg.distill_optimizer, cfg.distill_lr, cfg.distill_weight_decay)
     sched = distill_schedule(opt, cfg, steps_per_epoch)
+    ema = make_ema(student, cfg, steps_per_epoch)
+    judged = ema.module if ema is not None else student   # the model evaluated, guarded and returned
     start_epoch = 0
     # the proximal term's anchor: the student as it starts (before a resumed state is loaded)
     anchor = ([p.detach().clone() for p in student.parameters()] if cfg.prox_weight > 0 else None)
@@ -189,10 +196,12 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
         opt.load_state_dict(resume_state["optimizer"])
         sched.load_state_dict(resume_state["scheduler"])
         start_epoch = int(resume_state["epoch"])
+        if ema is not None:
+            ema.module.load_state_dict(resume_state["ema"])
         if guard is not None:
             guard.load_state(resume_state.get("guard"))
     if guard is not None and start_epoch == 0:
-        guard.observe(student, 0)
+        guard.observe(judged, 0)
         student.train()
     bar = callbacks.progress("distillation", cfg.distill_epochs) if callbacks else None
     if bar is not None:
@@ -219,6 +228,8 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
             loss.backward()
             opt.step()
             sched.step()
+            if ema is not None:
+                ema.update(student)
             for k, v in parts.items():
                 totals[k] = totals.get(k, 0.0) + v / steps_per_epoch
             totals["loss"] = totals.get("loss", 0.0) + loss.item() / steps_per_epoch
@@ -226,12 +237,12 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
             for k, v in totals.items():
                 callbacks.metric(f"distill/{k}", v, epoch)
         if eval_fn is not None and cfg.eval_every and ((epoch + 1) % cfg.eval_every == 0):
-            acc = eval_fn(student)
+            acc = eval_fn(judged)
             student.train()
             if callbacks is not None:
                 callbacks.metric("distill/test_acc", acc, epoch)
         if guard is not None:
-            agreement = guard.observe(student, epoch + 1)
+            agreement = guard.observe(judged, epoch + 1)
             student.train()
             if callbacks is not None:
                 callbacks.metric("distill/guard_agreement", agreement, epoch)
@@ -241,9 +252,12 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
         if checkpoint is not None:
             checkpoint({"student": student.state_dict(), "optimizer": opt.state_dict(),
                         "scheduler": sched.state_dict(), "epoch": epoch + 1,
-                        "guard": guard.state() if guard is not None else None, "anchor": anchor})
+                        "guard": guard.state() if guard is not None else None, "anchor": anchor,
+                        "ema": ema.module.state_dict() if ema is not None else None})
     if bar is not None:
         bar.close()
+    if ema is not None:
+        student.load_state_dict(ema.module.state_dict())
     if guard is not None:
         guard.restore_best(student)
         if callbacks is not None:
@@ -251,6 +265,17 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
                           f"ensemble {guard.best:.1%} on {len(guard.held_out)} held-out synthetic images)")
     student.eval()
     return student
+
+
+def make_ema(student: nn.Module, cfg: FedMITRConfig, steps_per_epoch: int):
+    """timm's ``ModelEmaV3`` of the student with a horizon of ``cfg.distill_ema_epochs`` epochs, or None
+    when it is off (0)."""
+    if cfg.distill_ema_epochs <= 0:
+        return None
+    from timm.utils import ModelEmaV3
+
+    decay = 1.0 - 1.0 / max(1.0, cfg.distill_ema_epochs * steps_per_epoch)
+    return ModelEmaV3(student, decay=decay)
 
 
 def distill_schedule(opt: torch.optim.Optimizer, cfg: FedMITRConfig, steps_per_epoch: int):
