@@ -112,6 +112,14 @@ def free_ports(n: int):
     return ports
 
 
+def _default_sigint():
+    """In the child before exec: Ctrl-C at its default. A shell starts background jobs with SIGINT
+    ignored, and a Python started that way never raises KeyboardInterrupt, so a suite run with `&`
+    would see the Ctrl-C tests hang."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Proc:
     """A process started in its own session (process group); killed as a group on cleanup."""
 
@@ -121,7 +129,7 @@ class Proc:
         self._log = open(log_path, "wb") if log_path else subprocess.PIPE
         self.p = subprocess.Popen(self.cmd, env=env, cwd=str(cwd or ROOT), stdout=self._log,
                                   stderr=subprocess.STDOUT if log_path else subprocess.PIPE,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=_default_sigint)
 
     def wait(self, timeout):
         try:
