@@ -116,7 +116,6 @@ def _default_sigint():
     """In the child before exec: Ctrl-C at its default. A shell starts background jobs with SIGINT
     ignored, and a Python started that way never raises KeyboardInterrupt, so a suite run with `&`
     would see the Ctrl-C tests hang."""
-    import signal
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 

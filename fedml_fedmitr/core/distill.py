@@ -46,6 +46,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from timm.utils import ModelEmaV3
 from torch import nn
 
 from .client import make_optimizer
@@ -272,8 +273,6 @@ def make_ema(student: nn.Module, cfg: FedMITRConfig, steps_per_epoch: int):
     when it is off (0)."""
     if cfg.distill_ema_epochs <= 0:
         return None
-    from timm.utils import ModelEmaV3
-
     decay = 1.0 - 1.0 / max(1.0, cfg.distill_ema_epochs * steps_per_epoch)
     return ModelEmaV3(student, decay=decay)
 
