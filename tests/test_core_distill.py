@@ -206,6 +206,30 @@ def test_mixup_mixes_within_the_batch_deterministically_and_needs_ensemble_targe
     assert torch.equal(one.head.weight, two.head.weight) and not torch.equal(one.head.weight, plain.head.weight)
 
 
+def test_mixup_is_on_by_default_only_where_the_ensemble_gives_every_target():
+    import pytest
+
+    from fedml_fedmitr.core.config import ConfigError
+    from fedml_fedmitr.core.methods import get_method
+    assert FedMITRConfig().mixup_alpha() == 1.0                        # token relabel, ensemble foreground
+    assert FedMITRConfig(distill_mode="kd_full").mixup_alpha() == 1.0
+    assert FedMITRConfig(foreground_target="label").mixup_alpha() == 0.0  # a mixed image has no one label
+    assert FedMITRConfig(distill_mixup=0.0).mixup_alpha() == 0.0
+    assert FedMITRConfig(distill_mixup=0.4).mixup_alpha() == 0.4
+    assert get_method("FedMITR-ce")(FedMITRConfig()).config.mixup_alpha() == 0.0
+    assert get_method("DeepInversion")(FedMITRConfig()).config.mixup_alpha() == 1.0
+    with pytest.raises(ConfigError, match="distill_mixup"):
+        FedMITRConfig.from_dict({"distill_mixup": -0.5})
+    # the default run mixes: the same as alpha 1 set by hand, not the same as mixup off
+    ens = tiny_ensemble(2)
+    imgs, labels, masks = torch.randn(24, 1, 16, 16), torch.arange(24) % 10, random_mask(24, 16, 4)
+    cfg = FedMITRConfig(distill_epochs=1, distill_batch_size=8)
+    auto = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg, "cpu", seed=1)
+    one = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg.replace(distill_mixup=1.0), "cpu", seed=1)
+    off = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg.replace(distill_mixup=0.0), "cpu", seed=1)
+    assert torch.equal(auto.head.weight, one.head.weight) and not torch.equal(auto.head.weight, off.head.weight)
+
+
 def test_teacher_debias_balances_a_teacher_that_favours_one_class():
     from fedml_fedmitr.core.distill import TeacherBias
     models = [tiny_vit(seed=i) for i in range(2)]

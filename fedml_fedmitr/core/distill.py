@@ -9,8 +9,9 @@ Ablations: ``kd_full`` (plain KD on full images, T^2 * KL(E(x) || g(x))) and ``c
 (CE on X_h only). ``foreground_target: ensemble`` replaces the foreground CE by
 T^2 * KL(softmax(E(X_h) / T) || softmax(g(X_h) / T)): the ensemble relabels the kept tokens too.
 
-Mixup (``distill_mixup: alpha > 0``): every batch is mixed with a shuffled copy of itself
-(:func:`mix_batch`); allowed only where every target is the ensemble's prediction on the mixed input.
+Mixup (``distill_mixup``, alpha 1 by default where it applies): every batch is mixed with a shuffled
+copy of itself (:func:`mix_batch`); only where every target is the ensemble's prediction on the mixed
+input (``FedMITRConfig.mixup_alpha``).
 
 Proximal term (``prox_weight: mu > 0``): mu/2 * ||w - w_start||^2 is added to every step, w_start the
 student at the start of distillation (FedAvg of the uploads, or the pretrained weights), so a
@@ -183,6 +184,7 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
     grid = tuple(int(g) for g in student.patch_embed.grid_size)
     patch = tuple(int(p) for p in student.patch_embed.patch_size)
     steps_per_epoch = (n + cfg.distill_batch_size - 1) // cfg.distill_batch_size
+    mixup = cfg.mixup_alpha()
     opt = make_optimizer(student.parameters(), cfg.distill_optimizer, cfg.distill_lr, cfg.distill_weight_decay)
     sched = distill_schedule(opt, cfg, steps_per_epoch)
     ema = make_ema(student, cfg, steps_per_epoch)
@@ -216,8 +218,8 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
             x, y, m = images[idx].to(device), labels[idx].to(device), masks[idx].to(device)
             if cfg.distill_augment:
                 x, m = augment_with_mask(x, m, grid, patch, gen, allow_flip=flip)
-            if cfg.distill_mixup > 0:
-                x = mix_batch(x, cfg.distill_mixup, gen)
+            if mixup > 0:
+                x = mix_batch(x, mixup, gen)
             with autocast(device, cfg.autocast):
                 loss, parts = token_relabel_loss(student, ensemble, x, y, m, cfg, bias)
             loss = loss.float()
