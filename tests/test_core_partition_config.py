@@ -89,3 +89,10 @@ def test_inversion_augments_as_the_clients_trained():
     assert FedMITRConfig.from_dict({"flip": None}).flip is None
     with pytest.raises(ConfigError, match="fedmitr_args.flip = 'yes' is invalid: expected true, false or null"):
         FedMITRConfig.from_dict({"flip": "yes"})
+
+
+def test_color_shift_must_be_a_non_negative_number():
+    assert FedMITRConfig.from_dict({"color_shift": 0.5}).color_shift == 0.5
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ConfigError, match="fedmitr_args.color_shift .* expected 0 \\(off\\) or a shift amplitude > 0"):
+            FedMITRConfig.from_dict({"color_shift": bad})

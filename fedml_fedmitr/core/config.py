@@ -61,6 +61,11 @@ class FedMITRConfig:
     jitter: int = -1                    # max roll in pixels; -1: as the clients trained (max(1, side // 8)
                                         # with random crops, else 0), see resolve_augmentation()
     flip: Optional[bool] = None         # random h-flip in inversion and distillation; None: as the clients trained
+    color_shift: float = 0.0            # s > 0: each image's channels are shifted in inversion's forward pass,
+                                        # x * exp(u1) + u2 with u1, u2 ~ U(-s, s) per image and channel (in
+                                        # normalised pixel space), so the ensemble must recognise the image under
+                                        # any colour statistics (Plug-In Inversion's ColorShift, Ghiasi et al.
+                                        # 2022, s = 1 there); 0: off
     inversion: str = "sparse"           # "sparse" (FedMITR) or "dense" (no pruning; ablation)
     prune_at: Optional[List[int]] = None  # explicit prune iterations; overrides prune_fractions
     prune_fractions: Optional[List[float]] = None  # None: SMI's points from 2000 steps on, else 10/20/35/50%
@@ -222,6 +227,8 @@ class FedMITRConfig:
             bad("inversion_betas", "two numbers in [0, 1)")
         if self.jitter < -1:
             bad("jitter", "-1 (automatic) or a number of pixels >= 0")
+        if not (math.isfinite(self.color_shift) and self.color_shift >= 0):
+            bad("color_shift", "0 (off) or a shift amplitude > 0")
         if not (0.0 < self.guard_fraction < 0.5):
             bad("guard_fraction", "a fraction in (0, 0.5)")
         if not (math.isfinite(self.distill_mixup) and (self.distill_mixup >= 0 or self.distill_mixup == -1)):
@@ -304,7 +311,7 @@ class FedMITRConfig:
 # sections (screening inverts its probe images in batches of synthesis_batch_size).
 SECTIONS: Dict[str, Tuple[str, ...]] = {
     "inversion": ("num_synthetic", "synthesis_batch_size", "inversion_iters", "inversion_lr", "inversion_betas",
-                  "tv_weight", "jitter", "flip", "inversion", "prune_at", "prune_fractions", "prune_ratio"),
+                  "tv_weight", "jitter", "flip", "color_shift", "inversion", "prune_at", "prune_fractions", "prune_ratio"),
     "student": ("student_init", "distill_optimizer", "distill_lr", "distill_weight_decay", "distill_batch_size",
                 "distill_augment"),
     "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "foreground_target",

@@ -8,6 +8,8 @@ Per batch (the paper's stage 1, as SMI does it): x ~ N(0, 1) in normalised pixel
 point the patches are ranked by the ensemble's last-block CLS-to-patch attention (un-augmented
 forward on the kept tokens) and the low-attention ones leave the forward pass and are halted: their
 pixels stay bit-identical to the end. Loss: CE(E(jitter(x) on kept tokens), y) + tv * TV_l2(x).
+With ``color_shift`` the jittered view's channels are also scaled and offset at random (a pointwise
+change, so the kept tokens are the same); the image itself stays unshifted.
 """
 from __future__ import annotations
 
@@ -137,6 +139,13 @@ class SparseModelInversion:
         top = attn.topk(count, dim=1).indices
         return keep.gather(1, top).sort(dim=1).values
 
+    def _color_shift(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """x * exp(u1) + u2 with u1, u2 ~ U(-s, s) per image and channel (Plug-In Inversion's ColorShift)."""
+        s = self.cfg.color_shift
+        u = (torch.rand(2, x.shape[0], x.shape[1], 1, 1, generator=gen) * 2 - 1) * s
+        u = u.to(x.device, x.dtype)
+        return x * torch.exp(u[0]) + u[1]
+
     def synthesize(self, labels: torch.Tensor, batch_index: int = 0, seed: int = 0,
                    tag: str = "inversion") -> SyntheticBatch:
         """Optimise one batch of images towards ``labels``; deterministic given (seed, batch_index)."""
@@ -164,6 +173,8 @@ class SparseModelInversion:
             x_a = torch.roll(x, shifts=(dy, dx), dims=(2, 3))
             if flip:
                 x_a = x_a.flip(3)
+            if cfg.color_shift > 0:
+                x_a = self._color_shift(x_a, gen)
             keep_a = None
             if keep.shape[1] < self.num_patches:
                 shift = (int(round(dy / self.patch[0])), int(round(dx / self.patch[1])))
