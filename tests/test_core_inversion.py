@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from fedml_fedmitr.core.config import FedMITRConfig
@@ -134,3 +135,32 @@ def test_color_shift_changes_each_view_per_image_and_channel_but_not_the_stored_
     # same seed, same images; without the shift a different image
     assert torch.equal(make(cfg).synthesize(torch.arange(4), seed=3).images, batch.images)
     assert not torch.equal(plain.images, batch.images)
+
+
+def test_competition_term_makes_images_the_start_disagrees_on():
+    from fedml_fedmitr.core.inversion import js_divergence
+    from helpers_core import tiny_vit
+
+    # the JS divergence: 0 for equal predictions, ln 2 for opposite certain ones, symmetric
+    a, b = torch.tensor([[8.0, -8.0, 0.0]]), torch.tensor([[-8.0, 8.0, 0.0]])
+    assert js_divergence(a, a).item() < 1e-6
+    assert abs(js_divergence(a, b).item() - torch.log(torch.tensor(2.0)).item()) < 1e-3
+    assert abs(js_divergence(a, b).item() - js_divergence(b, a).item()) < 1e-6
+    cfg = FedMITRConfig(inversion_iters=40, prune_at=[10], jitter=0, flip=False, competition_weight=5.0)
+    with pytest.raises(ValueError, match="competition_weight > 0 needs the student's starting model"):
+        make(cfg)
+    start = tiny_vit(seed=7)
+    before = {k: v.clone() for k, v in start.state_dict().items()}
+
+    def disagreement(c):
+        inv = SparseModelInversion(tiny_ensemble(2), c, (1, 16, 16), [0.3], [0.35], "cpu", start=start)
+        batch = inv.synthesize(torch.arange(8), seed=2)
+        with torch.no_grad():
+            return js_divergence(inv.ensemble(batch.images), start(batch.images)).item(), batch
+
+    with_term, batch = disagreement(cfg)
+    without, plain = disagreement(cfg.replace(competition_weight=0.0))
+    assert with_term > 1.5 * without   # the tiny random models predict almost uniformly: small values
+    assert not torch.equal(batch.images, plain.images)
+    # the start is only read, never trained
+    assert all(torch.equal(v, before[k]) for k, v in start.state_dict().items())

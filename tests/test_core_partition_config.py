@@ -96,3 +96,10 @@ def test_color_shift_must_be_a_non_negative_number():
     for bad in (-0.1, float("nan")):
         with pytest.raises(ConfigError, match="fedmitr_args.color_shift .* expected 0 \\(off\\) or a shift amplitude > 0"):
             FedMITRConfig.from_dict({"color_shift": bad})
+
+
+def test_competition_weight_must_be_a_non_negative_number():
+    assert FedMITRConfig.from_dict({"competition_weight": 2}).competition_weight == 2.0
+    for bad in (-1.0, float("inf")):
+        with pytest.raises(ConfigError, match="fedmitr_args.competition_weight = .* expected a finite number >= 0"):
+            FedMITRConfig.from_dict({"competition_weight": bad})

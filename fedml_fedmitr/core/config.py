@@ -66,6 +66,12 @@ class FedMITRConfig:
                                         # normalised pixel space), so the ensemble must recognise the image under
                                         # any colour statistics (Plug-In Inversion's ColorShift, Ghiasi et al.
                                         # 2022, s = 1 there); 0: off
+    competition_weight: float = 0.0     # w > 0: inversion also maximises the Jensen-Shannon divergence between
+                                        # the ensemble and the student's frozen starting point on the same view,
+                                        # loss CE + w * (1 - JS): images the ensemble labels y but the start does
+                                        # not (Adaptive DeepInversion's competition term, Yin et al. 2020, with
+                                        # the student fixed at its start, so the pool is made before distilling
+                                        # as before); 0: off
     inversion: str = "sparse"           # "sparse" (FedMITR) or "dense" (no pruning; ablation)
     prune_at: Optional[List[int]] = None  # explicit prune iterations; overrides prune_fractions
     prune_fractions: Optional[List[float]] = None  # None: SMI's points from 2000 steps on, else 10/20/35/50%
@@ -208,7 +214,7 @@ class FedMITRConfig:
             v = getattr(self, key)
             if not (v > 0 and math.isfinite(v)):
                 bad(key, "a finite number > 0")
-        for key in ["tv_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight", "prox_weight",
+        for key in ["tv_weight", "competition_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight", "prox_weight",
                     "distill_ema_epochs",
                     "coboost_eps", "coboost_mu", "fedftg_div_weight", "screening_z"]:
             v = getattr(self, key)
@@ -311,7 +317,7 @@ class FedMITRConfig:
 # sections (screening inverts its probe images in batches of synthesis_batch_size).
 SECTIONS: Dict[str, Tuple[str, ...]] = {
     "inversion": ("num_synthetic", "synthesis_batch_size", "inversion_iters", "inversion_lr", "inversion_betas",
-                  "tv_weight", "jitter", "flip", "color_shift", "inversion", "prune_at", "prune_fractions", "prune_ratio"),
+                  "tv_weight", "jitter", "flip", "color_shift", "competition_weight", "inversion", "prune_at", "prune_fractions", "prune_ratio"),
     "student": ("student_init", "distill_optimizer", "distill_lr", "distill_weight_decay", "distill_batch_size",
                 "distill_augment"),
     "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "foreground_target",

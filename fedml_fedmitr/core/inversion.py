@@ -9,19 +9,24 @@ point the patches are ranked by the ensemble's last-block CLS-to-patch attention
 forward on the kept tokens) and the low-attention ones leave the forward pass and are halted: their
 pixels stay bit-identical to the end. Loss: CE(E(jitter(x) on kept tokens), y) + tv * TV_l2(x).
 With ``color_shift`` the jittered view's channels are also scaled and offset at random (a pointwise
-change, so the kept tokens are the same); the image itself stays unshifted.
+change, so the kept tokens are the same); the image itself stays unshifted. With ``competition_weight``
+w > 0 the loss adds w * (1 - JS(ensemble, start)) on the same view and tokens, where ``start`` is the
+student before distillation (frozen): the images become ones the ensemble labels y and the start does
+not, i.e. the knowledge distillation has to add (Adaptive DeepInversion's competition term).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .config import FedMITRConfig, resolve_augmentation
 from .ensemble import Ensemble
-from .models import autocast
+from .models import autocast, forward_tokens
 
 
 @dataclass
@@ -69,6 +74,15 @@ def tv_l2(x: torch.Tensor) -> torch.Tensor:
     return torch.norm(d1) + torch.norm(d2) + torch.norm(d3) + torch.norm(d4)
 
 
+def js_divergence(logits_a: torch.Tensor, logits_b: torch.Tensor) -> torch.Tensor:
+    """Mean over the batch of the Jensen-Shannon divergence (nats, in [0, ln 2]) of two softmaxes."""
+    log_p, log_q = F.log_softmax(logits_a.float(), 1), F.log_softmax(logits_b.float(), 1)
+    log_m = torch.logsumexp(torch.stack([log_p, log_q]), 0) - math.log(2.0)
+    kl_pm = (log_p.exp() * (log_p - log_m)).sum(1)
+    kl_qm = (log_q.exp() * (log_q - log_m)).sum(1)
+    return (0.5 * (kl_pm + kl_qm)).mean()
+
+
 def balanced_labels(batch_size: int, num_classes: int, batch_index: int) -> torch.Tensor:
     """Labels cycling over the classes, continuing from batch to batch so the pool stays balanced."""
     start = batch_index * batch_size
@@ -113,9 +127,14 @@ class SparseModelInversion:
 
     def __init__(self, ensemble: Ensemble, cfg: FedMITRConfig, input_shape: Sequence[int],
                  mean: Sequence[float], std: Sequence[float], device, callbacks=None,
-                 client_augment: bool = True, client_flip: bool = True):
+                 client_augment: bool = True, client_flip: bool = True, start: Optional[nn.Module] = None):
         self.ensemble = ensemble
         self.cfg = cfg
+        if cfg.competition_weight > 0 and start is None:
+            raise ValueError("competition_weight > 0 needs the student's starting model (start=...)")
+        # the student before distillation, frozen: what the competition term pushes the images away from
+        self.start = (start.to(device).eval().requires_grad_(False)
+                      if start is not None and cfg.competition_weight > 0 else None)
         self.c, self.h, self.w = (int(v) for v in input_shape)
         vit = ensemble.models[0]
         self.grid = tuple(int(g) for g in vit.patch_embed.grid_size)
@@ -183,6 +202,10 @@ class SparseModelInversion:
                 logits = self.ensemble(x_a, keep_a)
             ce = F.cross_entropy(logits.float(), labels)
             loss = ce + cfg.tv_weight * tv_l2(x)
+            if self.start is not None:
+                with autocast(self.device, cfg.autocast):
+                    start_logits = forward_tokens(self.start, x_a, keep_a)
+                loss = loss + cfg.competition_weight * (1.0 - js_divergence(logits, start_logits))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             with torch.no_grad():

@@ -6,6 +6,7 @@ fixes the keys it names in ``forced``.
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -34,8 +35,10 @@ class FedMITR(ServerMethod):
 
     def synthesize(self, ctx: ServerContext) -> SyntheticPool:
         cfg = self.config
+        # competition_weight: a frozen copy of the student's start, which the pool is pushed away from
+        start = copy.deepcopy(self.student) if cfg.competition_weight > 0 else None
         inverter = SparseModelInversion(self.ensemble, cfg, ctx.input_shape, ctx.mean, ctx.std, ctx.device,
-                                        ctx.callbacks, ctx.client_augment, ctx.client_flip)
+                                        ctx.callbacks, ctx.client_augment, ctx.client_flip, start=start)
         path = self._state_path(ctx, "pool.pt")
         saved = load_if_exists(path) if cfg.resume else None
         pool = SyntheticPool.from_state(saved) if saved is not None else SyntheticPool()
