@@ -164,3 +164,39 @@ def test_competition_term_makes_images_the_start_disagrees_on():
     assert not torch.equal(batch.images, plain.images)
     # the start is only read, never trained
     assert all(torch.equal(v, before[k]) for k, v in start.state_dict().items())
+
+
+def test_boundary_fraction_inverts_a_share_of_the_batch_towards_two_classes():
+    cfg = FedMITRConfig(inversion_iters=30, prune_at=[10], jitter=0, flip=False, boundary_fraction=0.5)
+    inv = make(cfg)
+    labels = torch.arange(8) % 10
+    targets = inv.soft_targets(labels, torch.Generator().manual_seed(0))
+    assert targets.shape == (8, 10)
+    assert torch.allclose(targets.sum(1), torch.ones(8))
+    soft = (targets > 0).sum(1) == 2
+    assert int(soft.sum()) == 4                                   # round(0.5 * 8) images
+    for i in range(8):
+        assert int(targets[i].argmax()) == int(labels[i])         # the label keeps the larger share
+        if soft[i]:
+            second = targets[i].clone()
+            second[labels[i]] = 0
+            assert (targets[i] > 0).sum() == 2 and 0.5 <= float(targets[i, labels[i]]) <= 1.0
+            assert float(second.max()) > 0
+    # the soft images' ensemble predictions put more mass on their second class than the plain images'
+    batch = inv.synthesize(labels, seed=4)
+    plain = make(cfg.replace(boundary_fraction=0.0)).synthesize(labels, seed=4)
+    assert torch.equal(batch.labels, labels) and not torch.equal(batch.images, plain.images)
+    assert torch.equal(make(cfg).synthesize(labels, seed=4).images, batch.images)
+    gen = torch.Generator().manual_seed(4 * 1_000_003)
+    torch.randn(8, 1, 16, 16, generator=gen)                      # what synthesize() draws first
+    used = inv.soft_targets(labels, gen)
+    second = used.clone()
+    second[torch.arange(8), labels] = 0
+    rows = (used > 0).sum(1) == 2
+    with torch.no_grad():
+        p_soft = inv.ensemble(batch.images).softmax(1)
+        p_plain = inv.ensemble(plain.images).softmax(1)
+    on_second = (second > 0).float()
+    assert float((p_soft * on_second).sum(1)[rows].mean()) > float((p_plain * on_second).sum(1)[rows].mean())
+    with pytest.raises(Exception, match="boundary_fraction"):
+        FedMITRConfig(boundary_fraction=1.5)

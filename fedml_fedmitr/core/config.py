@@ -72,6 +72,10 @@ class FedMITRConfig:
                                         # not (Adaptive DeepInversion's competition term, Yin et al. 2020, with
                                         # the student fixed at its start, so the pool is made before distilling
                                         # as before); 0: off
+    boundary_fraction: float = 0.0      # share of each synthesis batch inverted towards a two-class soft target,
+                                        # lam * e_y + (1 - lam) * e_y2 with lam ~ U(0.5, 1) and y2 another class
+                                        # at random: images near the ensemble's decision boundaries, which a pool
+                                        # of confident class prototypes lacks (the stored label stays y); 0: off
     inversion: str = "sparse"           # "sparse" (FedMITR) or "dense" (no pruning; ablation)
     prune_at: Optional[List[int]] = None  # explicit prune iterations; overrides prune_fractions
     prune_fractions: Optional[List[float]] = None  # None: SMI's points from 2000 steps on, else 10/20/35/50%
@@ -235,6 +239,8 @@ class FedMITRConfig:
             bad("jitter", "-1 (automatic) or a number of pixels >= 0")
         if not (math.isfinite(self.color_shift) and self.color_shift >= 0):
             bad("color_shift", "0 (off) or a shift amplitude > 0")
+        if not (0.0 <= self.boundary_fraction <= 1.0):
+            bad("boundary_fraction", "a fraction in [0, 1]")
         if not (0.0 < self.guard_fraction < 0.5):
             bad("guard_fraction", "a fraction in (0, 0.5)")
         if not (math.isfinite(self.distill_mixup) and (self.distill_mixup >= 0 or self.distill_mixup == -1)):
@@ -317,7 +323,8 @@ class FedMITRConfig:
 # sections (screening inverts its probe images in batches of synthesis_batch_size).
 SECTIONS: Dict[str, Tuple[str, ...]] = {
     "inversion": ("num_synthetic", "synthesis_batch_size", "inversion_iters", "inversion_lr", "inversion_betas",
-                  "tv_weight", "jitter", "flip", "color_shift", "competition_weight", "inversion", "prune_at", "prune_fractions", "prune_ratio"),
+                  "tv_weight", "jitter", "flip", "color_shift", "competition_weight", "boundary_fraction",
+                  "inversion", "prune_at", "prune_fractions", "prune_ratio"),
     "student": ("student_init", "distill_optimizer", "distill_lr", "distill_weight_decay", "distill_batch_size",
                 "distill_augment"),
     "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "foreground_target",

@@ -12,7 +12,9 @@ With ``color_shift`` the jittered view's channels are also scaled and offset at 
 change, so the kept tokens are the same); the image itself stays unshifted. With ``competition_weight``
 w > 0 the loss adds w * (1 - JS(ensemble, start)) on the same view and tokens, where ``start`` is the
 student before distillation (frozen): the images become ones the ensemble labels y and the start does
-not, i.e. the knowledge distillation has to add (Adaptive DeepInversion's competition term).
+not, i.e. the knowledge distillation has to add (Adaptive DeepInversion's competition term). With
+``boundary_fraction`` f > 0 a share f of each batch is inverted towards a soft target of two classes
+(:meth:`SparseModelInversion.soft_targets`) instead of its one label.
 """
 from __future__ import annotations
 
@@ -174,6 +176,7 @@ class SparseModelInversion:
         labels = labels.to(self.device)
         x = torch.randn(b, self.c, self.h, self.w, generator=gen).to(self.device)
         x = torch.max(torch.min(x, self.hi), self.lo).requires_grad_(True)
+        targets = self.soft_targets(labels, gen) if cfg.boundary_fraction > 0 else labels
         opt = torch.optim.Adam([x], lr=cfg.inversion_lr, betas=tuple(cfg.inversion_betas))
         keep = torch.arange(self.num_patches, device=self.device).unsqueeze(0).repeat(b, 1)
         kept_mask = torch.ones(b, self.num_patches, dtype=torch.bool, device=self.device)
@@ -200,7 +203,7 @@ class SparseModelInversion:
                 keep_a = remap_patches(keep, self.grid, shift, flip)
             with autocast(self.device, cfg.autocast):
                 logits = self.ensemble(x_a, keep_a)
-            ce = F.cross_entropy(logits.float(), labels)
+            ce = F.cross_entropy(logits.float(), targets)
             loss = ce + cfg.tv_weight * tv_l2(x)
             if self.start is not None:
                 with autocast(self.device, cfg.autocast):
@@ -228,6 +231,20 @@ class SparseModelInversion:
         if not self.prune_points:
             kept_mask = self.attention_mask(x, self.cfg.keep_fraction(self.num_patches))
         return SyntheticBatch(x, labels, kept_mask)
+
+    def soft_targets(self, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """(B, C) inversion targets: one-hot, except for round(boundary_fraction * B) images at random, whose
+        target is lam * e_y + (1 - lam) * e_y2, lam ~ U(0.5, 1), y2 drawn from the other classes."""
+        b, c = labels.shape[0], self.ensemble.weights.shape[1]
+        targets = F.one_hot(labels, c).float()
+        n = int(round(self.cfg.boundary_fraction * b))
+        if n == 0 or c < 2:
+            return targets
+        rows = torch.randperm(b, generator=gen)[:n].to(labels.device)
+        other = (labels[rows] + 1 + torch.randint(0, c - 1, (n,), generator=gen).to(labels.device)) % c
+        lam = (0.5 + 0.5 * torch.rand(n, generator=gen)).to(targets.device)
+        targets[rows] = lam.unsqueeze(1) * targets[rows] + (1 - lam).unsqueeze(1) * F.one_hot(other, c).float()
+        return targets
 
     @torch.no_grad()
     def attention_mask(self, x: torch.Tensor, fraction: float) -> torch.Tensor:
