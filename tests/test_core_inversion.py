@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from fedml_fedmitr.core.config import FedMITRConfig
-from fedml_fedmitr.core.inversion import SparseModelInversion, patch_mask_to_pixels, remap_patches, tv_l2
+from fedml_fedmitr.core.config import ConfigError, FedMITRConfig
+from fedml_fedmitr.core.inversion import SparseModelInversion, js_divergence, patch_mask_to_pixels, remap_patches, tv_l2
 
-from helpers_core import tiny_ensemble
+from helpers_core import tiny_ensemble, tiny_vit
 
 
 class RecordingInversion(SparseModelInversion):
@@ -138,9 +138,6 @@ def test_color_shift_changes_each_view_per_image_and_channel_but_not_the_stored_
 
 
 def test_competition_term_makes_images_the_start_disagrees_on():
-    from fedml_fedmitr.core.inversion import js_divergence
-    from helpers_core import tiny_vit
-
     # the JS divergence: 0 for equal predictions, ln 2 for opposite certain ones, symmetric
     a, b = torch.tensor([[8.0, -8.0, 0.0]]), torch.tensor([[-8.0, 8.0, 0.0]])
     assert js_divergence(a, a).item() < 1e-6
@@ -198,5 +195,8 @@ def test_boundary_fraction_inverts_a_share_of_the_batch_towards_two_classes():
         p_plain = inv.ensemble(plain.images).softmax(1)
     on_second = (second > 0).float()
     assert float((p_soft * on_second).sum(1)[rows].mean()) > float((p_plain * on_second).sum(1)[rows].mean())
-    with pytest.raises(Exception, match="boundary_fraction"):
+    with pytest.raises(ConfigError,
+                       match="fedmitr_args.boundary_fraction = 1.5 is invalid: expected a fraction in \\[0, 1\\]"):
+        FedMITRConfig.from_dict({"boundary_fraction": 1.5})
+    with pytest.raises(ConfigError, match="boundary_fraction"):
         FedMITRConfig(boundary_fraction=1.5)

@@ -218,7 +218,8 @@ class FedMITRConfig:
             v = getattr(self, key)
             if not (v > 0 and math.isfinite(v)):
                 bad(key, "a finite number > 0")
-        for key in ["tv_weight", "competition_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight", "prox_weight",
+        for key in ["tv_weight", "competition_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight",
+                    "prox_weight",
                     "distill_ema_epochs",
                     "coboost_eps", "coboost_mu", "fedftg_div_weight", "screening_z"]:
             v = getattr(self, key)
