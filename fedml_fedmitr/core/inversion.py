@@ -80,9 +80,8 @@ def js_divergence(logits_a: torch.Tensor, logits_b: torch.Tensor) -> torch.Tenso
     """Mean over the batch of the Jensen-Shannon divergence (nats, in [0, ln 2]) of two softmaxes."""
     log_p, log_q = F.log_softmax(logits_a.float(), 1), F.log_softmax(logits_b.float(), 1)
     log_m = torch.logsumexp(torch.stack([log_p, log_q]), 0) - math.log(2.0)
-    kl_pm = (log_p.exp() * (log_p - log_m)).sum(1)
-    kl_qm = (log_q.exp() * (log_q - log_m)).sum(1)
-    return (0.5 * (kl_pm + kl_qm)).mean()
+    return 0.5 * (F.kl_div(log_m, log_p, reduction="batchmean", log_target=True)
+                  + F.kl_div(log_m, log_q, reduction="batchmean", log_target=True))
 
 
 def balanced_labels(batch_size: int, num_classes: int, batch_index: int) -> torch.Tensor:
@@ -132,13 +131,15 @@ class SparseModelInversion:
                  client_augment: bool = True, client_flip: bool = True, start: Optional[nn.Module] = None):
         self.ensemble = ensemble
         self.cfg = cfg
-        if cfg.competition_weight > 0 and start is None:
-            raise ValueError("competition_weight > 0 needs the student's starting model (start=...)")
         # the student before distillation, frozen: what the competition term pushes the images away from
-        self.start = (start.to(device).eval().requires_grad_(False)
-                      if start is not None and cfg.competition_weight > 0 else None)
+        self.start = None
+        if cfg.competition_weight > 0:
+            if start is None:
+                raise ValueError("competition_weight > 0 needs the student's starting model (start=...)")
+            self.start = start.to(device).eval().requires_grad_(False)
         self.c, self.h, self.w = (int(v) for v in input_shape)
         vit = ensemble.models[0]
+        self.num_classes = int(vit.num_classes)
         self.grid = tuple(int(g) for g in vit.patch_embed.grid_size)
         self.patch = tuple(int(p) for p in vit.patch_embed.patch_size)
         self.num_patches = self.grid[0] * self.grid[1]
@@ -235,7 +236,7 @@ class SparseModelInversion:
     def soft_targets(self, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """(B, C) inversion targets: one-hot, except for round(boundary_fraction * B) images at random, whose
         target is lam * e_y + (1 - lam) * e_y2, lam ~ U(0.5, 1), y2 drawn from the other classes."""
-        b, c = labels.shape[0], self.ensemble.weights.shape[1]
+        b, c = labels.shape[0], self.num_classes
         targets = F.one_hot(labels, c).float()
         n = int(round(self.cfg.boundary_fraction * b))
         if n == 0 or c < 2:
