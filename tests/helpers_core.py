@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedml_fedmitr.core.ensemble import Ensemble, client_weights
-from fedml_fedmitr.core.models import create_vit
+from fedml_fedmitr.core.models import create_vit, token_moments
 
 
 def tiny_vit(seed=0, img=16, patch=4, in_chans=1, classes=10, depth=2):
@@ -15,7 +15,8 @@ def tiny_vit(seed=0, img=16, patch=4, in_chans=1, classes=10, depth=2):
 
 def tiny_ensemble(k=3, batched="loop", **kw):
     models = [tiny_vit(seed=i, **kw) for i in range(k)]
-    return Ensemble(models, client_weights("mean", [1] * k, [[1] * 10] * k, 10), batched=batched)
+    return Ensemble(models, client_weights("mean", [1] * k, [[1] * 10] * k, 10), batched=batched,
+                    feature_stats=[stats_of(m) for m in models])
 
 
 def digits(img=16, seed=0):
@@ -34,3 +35,12 @@ def digits(img=16, seed=0):
 def loader(x, y, batch=64, shuffle=False, seed=0):
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=shuffle,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def stats_of(model, n=32):
+    """Feature statistics of the shape a client uploads with ``model``: its token moments on n fixed
+    random images of its input size (what the tests need is their shape and a fixed value)."""
+    g = torch.Generator().manual_seed(0)
+    h, w = (int(v) for v in model.patch_embed.img_size)
+    x = torch.randn(n, int(model.patch_embed.proj.in_channels), h, w, generator=g)
+    return token_moments(model, loader(x, torch.zeros(n, dtype=torch.long)), "cpu")

@@ -31,7 +31,7 @@ from fedml_fedmitr.core.methods.baselines import (
     per_sample_kl,
 )
 
-from helpers_core import digits, loader, tiny_vit
+from helpers_core import digits, loader, stats_of, tiny_vit
 
 torch.set_num_threads(1)
 MEAN, STD = [0.3], [0.35]
@@ -70,8 +70,9 @@ def make_uploads(k=3):
     ups = []
     for i in range(k):
         counts = [0 if j == 9 else (7 * i + 3 * j) % 11 + 1 for j in range(10)]  # nobody holds class 9
-        state = {n: v.clone() for n, v in tiny_vit(seed=i, depth=1).state_dict().items()}
-        ups.append(ClientUpload(i, state, sum(counts), counts))
+        model = tiny_vit(seed=i, depth=1)
+        state = {n: v.clone() for n, v in model.state_dict().items()}
+        ups.append(ClientUpload(i, state, sum(counts), counts, feature_stats=stats_of(model)))
     return ups
 
 

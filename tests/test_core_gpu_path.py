@@ -7,7 +7,7 @@ from fedml_fedmitr.core.config import FedMITRConfig
 from fedml_fedmitr.core.methods import Callbacks, ClientUpload, ServerContext, get_method
 from fedml_fedmitr.core.models import autocast_enabled
 
-from helpers_core import digits, loader, tiny_vit
+from helpers_core import digits, loader, stats_of, tiny_vit
 
 torch.set_num_threads(1)
 
@@ -21,8 +21,9 @@ def _run(mode):
     ups = []
     for i in range(2):
         counts = [3 + (i + j) % 4 for j in range(10)]
-        ups.append(ClientUpload(i, {n: v.clone() for n, v in tiny_vit(seed=i, depth=1).state_dict().items()},
-                                sum(counts), counts))
+        model = tiny_vit(seed=i, depth=1)
+        ups.append(ClientUpload(i, {n: v.clone() for n, v in model.state_dict().items()}, sum(counts), counts,
+                                feature_stats=stats_of(model)))
     (_, _), (xte, yte) = digits()
     ctx = ServerContext(model_fn=lambda: tiny_vit(seed=9, depth=1), num_classes=10, input_shape=(1, 16, 16),
                         mean=[0.3], std=[0.35], eval_loader=loader(xte[:32], yte[:32]),

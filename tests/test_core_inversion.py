@@ -100,16 +100,17 @@ def test_tv_is_zero_on_constant_images():
 
 
 def record_views(inv):
-    """Wraps the inverter's ensemble; returns the list that collects every view it is shown (the
-    attention passes of the prune points, called with keyword arguments, are not views)."""
-    views, inner = [], inv.ensemble
+    """Spies on the inverter's ensemble; returns the list that collects every view it is shown (the
+    attention passes of the prune points, which ask for attention, are not views)."""
+    views, ens = [], inv.ensemble
+    inner = ens.client_logits
 
-    def spy(x, keep=None, **kw):
-        if not kw:
+    def spy(x, keep=None, return_attn=False, **kw):
+        if not return_attn:
             views.append(x.detach().clone())
-        return inner(x, keep, **kw)
+        return inner(x, keep, return_attn, **kw)
 
-    inv.ensemble = spy
+    ens.client_logits = spy
     return views
 
 
@@ -145,7 +146,9 @@ def test_competition_term_makes_images_the_start_disagrees_on():
     assert js_divergence(a, a).item() < 1e-6
     assert abs(js_divergence(a, b).item() - math.log(2.0)) < 1e-3
     assert abs(js_divergence(a, b).item() - js_divergence(b, a).item()) < 1e-6
-    cfg = FedMITRConfig(inversion_iters=40, prune_at=[10], jitter=0, flip=False, competition_weight=5.0)
+    # the competition term alone (the feature prior off), so its effect is what is measured
+    cfg = FedMITRConfig(inversion_iters=40, prune_at=[10], jitter=0, flip=False, competition_weight=5.0,
+                        feature_weight=0.0)
     with pytest.raises(ValueError, match="competition_weight > 0 needs the student's starting model"):
         make(cfg)
     start = tiny_vit(seed=7)

@@ -10,7 +10,7 @@ from fedml_fedmitr.core.methods import Callbacks, ClientUpload, ServerContext, g
 from fedml_fedmitr.core.models import create_vit
 from fedml_fedmitr.core.server import evaluate_clients
 
-from helpers_core import digits, loader
+from helpers_core import digits, loader, stats_of
 
 torch.set_num_threads(1)
 ARCHS = ["fedmitr_vit_micro", "fedmitr_vit_tiny"]
@@ -26,8 +26,9 @@ def uploads():
     for i in range(4):
         arch = ARCHS[i % 2]
         counts = [2 + (i + j) % 3 for j in range(10)]
-        out.append(ClientUpload(i, {k: v.clone() for k, v in build(arch, seed=i).state_dict().items()}, sum(counts),
-                                counts, architecture=arch))
+        model = build(arch, seed=i)
+        out.append(ClientUpload(i, {k: v.clone() for k, v in model.state_dict().items()}, sum(counts),
+                                counts, architecture=arch, feature_stats=stats_of(model)))
     return out
 
 

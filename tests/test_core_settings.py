@@ -12,7 +12,7 @@ import torch
 from fedml_fedmitr.core.config import SECTIONS, FedMITRConfig
 from fedml_fedmitr.core.methods import Callbacks, ClientUpload, ServerContext, get_method, method_names
 
-from helpers_core import digits, loader, tiny_vit
+from helpers_core import digits, loader, stats_of, tiny_vit
 
 torch.set_num_threads(1)
 FIELDS = {f.name for f in fields(FedMITRConfig)}
@@ -36,8 +36,9 @@ def uploads(k=3):
     out = []
     for i in range(k):
         counts = [(5 * i + 3 * j) % 7 + 1 for j in range(10)]
-        out.append(ClientUpload(i, {n: v.clone() for n, v in tiny_vit(seed=i, depth=1).state_dict().items()},
-                                sum(counts), counts))
+        model = tiny_vit(seed=i, depth=1)
+        out.append(ClientUpload(i, {n: v.clone() for n, v in model.state_dict().items()}, sum(counts), counts,
+                                feature_stats=stats_of(model)))
     return out
 
 

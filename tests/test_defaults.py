@@ -35,8 +35,10 @@ def test_budget_only_config_on_label_sorted_clients_runs_with_the_defaults_and_d
     # every method knob is the code's default; the automatic settings are recorded as resolved
     used = summary["config"]["fedmitr_args"]
     defaults = FedMITRConfig().to_dict()
+    assert defaults["feature_weight"] > 0   # the clients' feature statistics came through FedML and were used
     for key in ("prune_fractions", "prune_ratio", "relabel_weight", "kd_temperature", "inversion_lr",
-                "tv_weight", "distill_mode", "ensemble_weighting", "drift_guard", "foreground_target"):
+                "tv_weight", "distill_mode", "ensemble_weighting", "drift_guard", "foreground_target",
+                "feature_weight"):
         assert used[key] == defaults[key], key
     resolved = summary["config"]["resolved"]
     assert resolved["prune_iterations"] == [3, 6, 10, 15]       # 10/20/35/50% of 30 steps

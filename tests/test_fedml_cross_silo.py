@@ -26,7 +26,11 @@ def _cross_silo(out, backend, **extra):
 
 def test_cross_silo_grpc_server_and_two_clients(tmp_path, tmp_home, procs):
     out = tmp_path / "out"
-    server = write_yaml(tmp_path / "server.yaml", _cross_silo(out, "GRPC", grpc_ipconfig_path="unused.csv"))
+    server_cfg = _cross_silo(out, "GRPC", grpc_ipconfig_path="unused.csv")
+    # the feature prior: the server refuses to start synthesis unless every client's feature
+    # statistics came through GRPC (and its safe unpickler) with the weights
+    server_cfg["fedmitr_args"]["feature_weight"] = 0.1
+    server = write_yaml(tmp_path / "server.yaml", server_cfg)
     client_cfg = _cross_silo(out, "GRPC", grpc_ipconfig_path="unused.csv")
     client_cfg["fedmitr_args"] = {"output_dir": str(out), "progress": False}
     client = write_yaml(tmp_path / "client.yaml", client_cfg)
@@ -41,6 +45,7 @@ def test_cross_silo_grpc_server_and_two_clients(tmp_path, tmp_home, procs):
     summary = read_summary(out)
     check_summary(summary, "FedMITR", clients=2)
     assert summary["backend"] == "GRPC" and summary["training_type"] == "cross_silo"
+    assert summary["config"]["fedmitr_args"]["feature_weight"] == 0.1
     for cid in range(2):
         rec = json.loads((out / "clients" / f"client_{cid}.json").read_text())
         assert rec["local_test_acc"] is not None

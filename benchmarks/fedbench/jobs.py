@@ -122,6 +122,21 @@ def _model_fn(settings, n, init):
     return model_fn
 
 
+def load_uploads(payloads, model_fn, loaders, device):
+    """Cached client uploads. One cached before clients sent feature statistics gets them now, from its
+    trained weights on its own shard (``loaders[k]``): what ``train_client`` computes after training."""
+    from fedml_fedmitr.core.methods import ClientUpload
+    from fedml_fedmitr.core.models import token_moments
+
+    uploads = [ClientUpload.from_payload(p) for p in payloads]
+    for k, u in enumerate(uploads):
+        if u.feature_stats is None:
+            m = model_fn()
+            m.load_state_dict(u.state_dict)
+            u.feature_stats = token_moments(m, loaders[k], device)
+    return uploads
+
+
 def job_clients(job: Dict[str, Any], device) -> Dict[str, Any]:
     """The K clients of a seed, each trained on its shard of the plugin's partition (and, for the
     log, the accuracy of their plain mean ensemble)."""
@@ -173,15 +188,14 @@ def job_ensemble(job: Dict[str, Any], device) -> Dict[str, Any]:
     from fedml_fedmitr.core.config import FedMITRConfig
     from fedml_fedmitr.core.ensemble import Ensemble
     from fedml_fedmitr.core.evaluate import evaluate_ensemble
-    from fedml_fedmitr.core.methods import ClientUpload
 
     from .references import attention_probe, probe_k
 
     settings, seed = job["settings"], int(job["seed"])
     dataset, n, _ = load_task(settings, seed, _cache(job))
     blob = torch.load(job["clients"], map_location="cpu", weights_only=True)
-    uploads = [ClientUpload.from_payload(p) for p in blob["uploads"]]
     model_fn = _model_fn(settings, n, blob["init_state"])
+    uploads = load_uploads(blob["uploads"], model_fn, dataset[5], device)
     cfg = FedMITRConfig.from_dict(dict(settings["server"], progress=False), where="settings.server")
     ens = Ensemble.from_uploads(uploads, model_fn, n, cfg, device)
     acc = evaluate_ensemble(ens, dataset[3], device, n)["acc"]
@@ -222,7 +236,7 @@ def job_method(job: Dict[str, Any], device) -> Dict[str, Any]:
     from fedml_fedmitr.core import ensemble as ensemble_module
     from fedml_fedmitr.core.config import FedMITRConfig
     from fedml_fedmitr.core.evaluate import evaluate_model
-    from fedml_fedmitr.core.methods import ClientUpload, ServerContext, get_method
+    from fedml_fedmitr.core.methods import ServerContext, get_method
 
     from .references import CurveRecorder, real_images, real_pool_method
 
@@ -230,8 +244,8 @@ def job_method(job: Dict[str, Any], device) -> Dict[str, Any]:
     dataset, n, info = load_task(settings, seed, _cache(job))
     blob = torch.load(job["clients"], map_location="cpu", weights_only=True)
     init = blob["init_state"]
-    uploads = [ClientUpload.from_payload(p) for p in blob["uploads"]]
     model_fn = _model_fn(settings, n, init)
+    uploads = load_uploads(blob["uploads"], model_fn, dataset[5], device)
     server = dict(settings["server"], **job.get("server_override", {}))
     cfg = FedMITRConfig.from_dict(dict(server, progress=False, save_images=False, eval_every=1),
                                   where="settings.server")

@@ -19,7 +19,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from .config import FedMITRConfig
-from .models import TokenSubsetViT, check_finite, check_vit, load_state_checked
+from .models import TokenSubsetViT, check_feature_stats, check_finite, check_vit, load_state_checked
 
 
 def client_weights(mode: str, num_samples: Sequence[int], label_counts: Sequence[Sequence[int]],
@@ -62,7 +62,8 @@ class Ensemble:
 
     def __init__(self, models: List[nn.Module], weights: torch.Tensor, aggregate: str = "mean",
                  trim_fraction: float = 0.2, batched: str = "auto", device=None,
-                 offsets: Optional[torch.Tensor] = None):
+                 offsets: Optional[torch.Tensor] = None,
+                 feature_stats: Optional[List[Optional[torch.Tensor]]] = None):
         if not models:
             raise ValueError("an ensemble needs at least one model")
         self.device = torch.device(device) if device is not None else next(models[0].parameters()).device
@@ -70,6 +71,10 @@ class Ensemble:
         self.weights = weights.to(self.device)
         # (K, C) subtracted from each client's logits before they are combined (None: no calibration)
         self.offsets = offsets.to(self.device) if offsets is not None else None
+        # per client, the (depth, 2, embed_dim) token moments it measured on its data (None: not uploaded);
+        # read through checked_feature_stats()
+        self.feature_stats = list(feature_stats) if feature_stats is not None else [None] * len(self.models)
+        self.client_ids = list(range(len(self.models)))
         self.aggregate = aggregate
         self.trim_fraction = trim_fraction
         mixed = not same_architecture(self.models)
@@ -97,8 +102,10 @@ class Ensemble:
                                  [u.label_counts for u in uploads], num_classes)
         offsets = (label_prior_offsets([u.label_counts for u in uploads], num_classes)
                    if cfg.ensemble_calibration == "label_prior" else None)
-        return cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device,
-                   offsets)
+        ens = cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device,
+                  offsets, [u.feature_stats for u in uploads])
+        ens.client_ids = [int(u.client_id) for u in uploads]
+        return ens
 
     def __len__(self) -> int:
         return len(self.models)
@@ -108,8 +115,22 @@ class Ensemble:
         keep = list(keep)
         w = self.weights[keep]
         w = w / w.sum(0, keepdim=True).clamp_min(1e-12)
-        return Ensemble([self.models[i] for i in keep], w, self.aggregate, self.trim_fraction,
-                        self.batched, self.device, None if self.offsets is None else self.offsets[keep])
+        sub = Ensemble([self.models[i] for i in keep], w, self.aggregate, self.trim_fraction,
+                       self.batched, self.device, None if self.offsets is None else self.offsets[keep],
+                       [self.feature_stats[i] for i in keep])
+        sub.client_ids = [self.client_ids[i] for i in keep]
+        return sub
+
+    def checked_feature_stats(self, what: str = "fedmitr_args.feature_weight > 0") -> List[torch.Tensor]:
+        """Every client's feature statistics on the ensemble's device, checked against its model; a
+        ValueError naming the clients that sent none or a misshapen one (``what`` needs them)."""
+        missing = [cid for cid, t in zip(self.client_ids, self.feature_stats) if t is None]
+        if missing:
+            raise ValueError(f"{what} matches each client's feature statistics, but client(s) {missing} uploaded "
+                             "none (clients of an older fedml_fedmitr); set feature_weight: 0 or update those clients")
+        for cid, t, m in zip(self.client_ids, self.feature_stats, self.models):
+            check_feature_stats(t, m, f"client {cid}'s feature statistics")
+        return [t.to(self.device, torch.float32) for t in self.feature_stats]
 
     # ---- forwards ----
     def _build_stacked(self) -> None:
@@ -120,20 +141,30 @@ class Ensemble:
         self._stacked = (base, params, buffers)
 
     def client_logits(self, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None,
-                      return_attn: bool = False):
-        """Per-client logits (K, B, C) [and CLS-to-patch attention (K, B, k)] on the kept tokens."""
+                      return_attn: bool = False, return_moments: bool = False):
+        """Per-client logits (K, B, C) [and CLS-to-patch attention (K, B, k)] on the kept tokens; with
+        ``return_moments`` also, per client, its block inputs' token moments on ``x`` (a list of K
+        (depth, 2, embed_dim) tensors, see :func:`~fedml_fedmitr.core.models.run_blocks`)."""
         if self.batched == "vmap":
             base, params, buffers = self._stacked
 
             def one(p, b, inp):
-                return functional_call(base, (p, b), (inp, keep_idx, return_attn))
+                return functional_call(base, (p, b), (inp, keep_idx, return_attn, return_moments))
 
-            return vmap(one, in_dims=(0, 0, None))(params, buffers, x)
+            out = vmap(one, in_dims=(0, 0, None))(params, buffers, x)
+            if return_moments:
+                out = (*out[:-1], list(out[-1].unbind(0)))
+            return out
         from .models import forward_tokens
-        outs = [forward_tokens(m, x, keep_idx, return_attn) for m in self.models]
+        outs = [forward_tokens(m, x, keep_idx, return_attn, return_moments) for m in self.models]
+        if not (return_attn or return_moments):
+            return torch.stack(outs)
+        stacked = [torch.stack([o[0] for o in outs])]
         if return_attn:
-            return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
-        return torch.stack(outs)
+            stacked.append(torch.stack([o[1] for o in outs]))
+        if return_moments:
+            stacked.append([o[-1] for o in outs])
+        return tuple(stacked)
 
     def calibrated(self, logits: torch.Tensor) -> torch.Tensor:
         """Per-client logits (K, B, C) with the calibration offsets applied (unchanged without them)."""

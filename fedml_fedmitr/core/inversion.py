@@ -14,7 +14,10 @@ w > 0 the loss adds w * (1 - JS(ensemble, start)) on the same view and tokens, w
 student before distillation (frozen): the images become ones the ensemble labels y and the start does
 not, i.e. the knowledge distillation has to add (Adaptive DeepInversion's competition term). With
 ``boundary_fraction`` f > 0 a share f of each batch is inverted towards a soft target of two classes
-(:meth:`SparseModelInversion.soft_targets`) instead of its one label.
+(:meth:`SparseModelInversion.soft_targets`) instead of its one label. With ``feature_weight`` w > 0
+the loss adds w * :func:`feature_stats_loss`: the mean and variance of the (kept) patch tokens entering
+each block of each client's ViT, on the batch, pulled towards what that client measured on its own
+data and uploaded (DeepInversion's BatchNorm-statistics prior, for a ViT, which has no BatchNorm).
 """
 from __future__ import annotations
 
@@ -84,6 +87,16 @@ def js_divergence(logits_a: torch.Tensor, logits_b: torch.Tensor) -> torch.Tenso
                   + F.kl_div(log_m, log_q, reduction="batchmean", log_target=True))
 
 
+def feature_stats_loss(moments: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor:
+    """DeepInversion's feature prior on token moments: per client, sum over blocks of the l2 distances
+    between the batch's token mean and variance at the block's input and the client's own (both
+    (depth, 2, embed_dim)), averaged over the clients."""
+    total = 0.0
+    for m, t in zip(moments, targets):
+        total = total + (m - t.to(m.dtype)).norm(dim=2).sum()
+    return total / len(targets)
+
+
 def balanced_labels(batch_size: int, num_classes: int, batch_index: int) -> torch.Tensor:
     """Labels cycling over the classes, continuing from batch to batch so the pool stays balanced."""
     start = batch_index * batch_size
@@ -137,6 +150,10 @@ class SparseModelInversion:
             if start is None:
                 raise ValueError("competition_weight > 0 needs the student's starting model (start=...)")
             self.start = start.to(device).eval().requires_grad_(False)
+        # feature_weight: what each client measured on its data, which the images' token moments must match
+        self.feature_stats = None
+        if cfg.feature_weight > 0:
+            self.feature_stats = ensemble.checked_feature_stats(f"fedmitr_args.feature_weight = {cfg.feature_weight}")
         self.c, self.h, self.w = (int(v) for v in input_shape)
         vit = ensemble.models[0]
         self.num_classes = int(vit.num_classes)
@@ -203,9 +220,15 @@ class SparseModelInversion:
                 shift = (int(round(dy / self.patch[0])), int(round(dx / self.patch[1])))
                 keep_a = remap_patches(keep, self.grid, shift, flip)
             with autocast(self.device, cfg.autocast):
-                logits = self.ensemble(x_a, keep_a)
+                if self.feature_stats is None:
+                    logits = self.ensemble(x_a, keep_a)
+                else:
+                    client_logits, moments = self.ensemble.client_logits(x_a, keep_a, return_moments=True)
+                    logits = self.ensemble.combine(client_logits)
             ce = F.cross_entropy(logits.float(), targets)
             loss = ce + cfg.tv_weight * tv_l2(x)
+            if self.feature_stats is not None:
+                loss = loss + cfg.feature_weight * feature_stats_loss(moments, self.feature_stats)
             if self.start is not None:
                 with autocast(self.device, cfg.autocast):
                     start_logits = forward_tokens(self.start, x_a, keep_a)

@@ -183,22 +183,74 @@ def last_block_attention(model: VisionTransformer):
         attn.fused_attn = old
 
 
+def run_blocks(model: VisionTransformer, tokens: torch.Tensor, return_moments: bool = False):
+    """The transformer blocks on ``tokens``. With ``return_moments`` also the mean and the variance over
+    the batch and the patch tokens (prefix tokens left out) of each block's input, (depth, 2, embed_dim),
+    in float32: the statistics that :func:`token_moments` measures on a client's data."""
+    if not return_moments:
+        return model.blocks(tokens), None
+    p = model.num_prefix_tokens
+    moments = []
+    for block in model.blocks:
+        t = tokens[:, p:].float()
+        moments.append(torch.stack([t.mean(dim=(0, 1)), t.var(dim=(0, 1), unbiased=False)]))
+        tokens = block(tokens)
+    return tokens, torch.stack(moments)
+
+
 def forward_tokens(model: VisionTransformer, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None,
-                   return_attn: bool = False):
+                   return_attn: bool = False, return_moments: bool = False):
     """Logits of ``model`` on images ``x`` seeing only the patches ``keep_idx`` (B, k) (all if None).
 
     Dropped tokens never enter a block: the blocks run on ``num_prefix_tokens + k`` tokens. With
-    ``return_attn`` also returns the last block's CLS-to-patch attention, mean over heads, (B, k).
+    ``return_attn`` also returns the last block's CLS-to-patch attention, mean over heads, (B, k); with
+    ``return_moments`` also each block input's token mean and variance (:func:`run_blocks`), after it.
     """
     tokens = gather_tokens(embed_tokens(model, x), keep_idx, model.num_prefix_tokens)
     if not return_attn:
-        return model.forward_head(model.norm(model.blocks(tokens)))
+        feats, moments = run_blocks(model, tokens, return_moments)
+        logits = model.forward_head(model.norm(feats))
+        return (logits, moments) if return_moments else logits
     with last_block_attention(model) as captured:
-        feats = model.blocks(tokens)
+        feats, moments = run_blocks(model, tokens, return_moments)
     logits = model.forward_head(model.norm(feats))
     attn_map = captured[-1]  # (B, heads, T, T)
     cls_to_patch = attn_map[:, :, 0, model.num_prefix_tokens:].mean(dim=1)
-    return logits, cls_to_patch
+    return (logits, cls_to_patch, moments) if return_moments else (logits, cls_to_patch)
+
+
+def check_feature_stats(stats, model: VisionTransformer, what: str) -> None:
+    """``stats`` must be a finite float tensor (depth, 2, embed_dim) of ``model``'s shape (see
+    :func:`token_moments`), variances >= 0; otherwise a ValueError naming ``what``."""
+    expected = (len(model.blocks), 2, int(model.embed_dim))
+    if not isinstance(stats, torch.Tensor) or not stats.is_floating_point() or tuple(stats.shape) != expected:
+        got = tuple(stats.shape) if isinstance(stats, torch.Tensor) else type(stats).__name__
+        raise ValueError(f"{what}: expected a float tensor of shape {expected} (blocks, mean and variance, "
+                         f"embed_dim), got {got}")
+    if not bool(torch.isfinite(stats).all()) or bool((stats[:, 1] < 0).any()):
+        raise ValueError(f"{what}: holds NaN/Inf or a negative variance")
+
+
+@torch.no_grad()
+def token_moments(model: VisionTransformer, loader, device) -> torch.Tensor:
+    """(depth, 2, embed_dim): the mean and the variance of the patch tokens entering each block of
+    ``model``, over every image of ``loader`` (full images, no augmentation). A client measures them
+    on its own shard and uploads them with its weights: a ViT's analogue of the BatchNorm statistics
+    that DeepInversion matches (a ViT has no BatchNorm to carry them)."""
+    model.to(device).eval()
+    total, s1, s2 = 0, None, None
+    for x, _ in loader:
+        x = x.to(device)
+        _, m = forward_tokens(model, x, return_moments=True)
+        n = x.shape[0] * num_patches(model)
+        mean, var = m[:, 0].double(), m[:, 1].double()
+        s1 = mean * n if s1 is None else s1 + mean * n
+        s2 = (var + mean * mean) * n if s2 is None else s2 + (var + mean * mean) * n
+        total += n
+    if not total:
+        raise ValueError("token_moments: the loader holds no images")
+    mean = s1 / total
+    return torch.stack([mean, s2 / total - mean * mean], dim=1).float().cpu()
 
 
 class TokenSubsetViT(nn.Module):
@@ -208,8 +260,9 @@ class TokenSubsetViT(nn.Module):
         super().__init__()
         self.vit = vit
 
-    def forward(self, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None, return_attn: bool = False):
-        return forward_tokens(self.vit, x, keep_idx, return_attn)
+    def forward(self, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None, return_attn: bool = False,
+                return_moments: bool = False):
+        return forward_tokens(self.vit, x, keep_idx, return_attn, return_moments)
 
 
 # ---------------------------------------------------------------------------------------------

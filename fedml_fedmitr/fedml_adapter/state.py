@@ -96,19 +96,26 @@ def settings_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> List[str]:
 
 
 def uploads_digest(uploads) -> str:
-    """A digest of the uploads' ids, counts and weights (bytes of every tensor)."""
+    """A digest of the uploads' ids, counts, weights and feature statistics (bytes of every tensor)."""
     h = hashlib.sha256()
+
+    def tensor(value) -> None:
+        t = value.detach().cpu().contiguous()
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
     for u in uploads:
         h.update(json.dumps([int(u.client_id), int(u.num_samples), [int(c) for c in u.label_counts]]).encode())
         for key in sorted(u.state_dict):
             value = u.state_dict[key]
             h.update(key.encode())
             if torch.is_tensor(value):
-                t = value.detach().cpu().contiguous()
-                h.update(str((t.dtype, tuple(t.shape))).encode())
-                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                tensor(value)
             else:
                 h.update(repr(value).encode())
+        if getattr(u, "feature_stats", None) is not None:
+            h.update(b"feature_stats")
+            tensor(u.feature_stats)
     return h.hexdigest()
 
 

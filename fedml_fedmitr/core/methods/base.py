@@ -40,6 +40,9 @@ class ClientUpload:
     num_samples: int
     label_counts: List[int]             # samples per class, length num_classes
     architecture: Optional[str] = None  # the client's timm model name; None: the global model's
+    # (depth, 2, embed_dim): mean and variance of the patch tokens entering each block, over the client's
+    # own images (core.models.token_moments); what the server's feature prior matches. None: not sent
+    feature_stats: Optional[torch.Tensor] = None
 
     def to_payload(self) -> Dict[str, Any]:
         """A plain dict (picklable by any FedML backend)."""
@@ -47,6 +50,8 @@ class ClientUpload:
                    "num_samples": int(self.num_samples), "label_counts": [int(c) for c in self.label_counts]}
         if self.architecture is not None:
             payload["architecture"] = str(self.architecture)
+        if self.feature_stats is not None:
+            payload["feature_stats"] = self.feature_stats
         return payload
 
     @classmethod
@@ -54,9 +59,15 @@ class ClientUpload:
         arch = payload.get("architecture")
         if arch is not None and not isinstance(arch, str):
             raise ValueError(f"architecture must be a model name, got {type(arch).__name__}")
+        stats = payload.get("feature_stats")
+        if stats is not None and not (isinstance(stats, torch.Tensor) and stats.is_floating_point()
+                                      and stats.dim() == 3 and stats.shape[1] == 2):
+            raise ValueError("feature_stats must be a float tensor (blocks, 2, embed_dim), got "
+                             f"{tuple(stats.shape) if isinstance(stats, torch.Tensor) else type(stats).__name__}")
         return cls(client_id=int(payload["client_id"]), state_dict=payload["state_dict"],
                    num_samples=int(payload["num_samples"]),
-                   label_counts=[int(c) for c in payload["label_counts"]], architecture=arch)
+                   label_counts=[int(c) for c in payload["label_counts"]], architecture=arch,
+                   feature_stats=stats)
 
 
 class Callbacks:

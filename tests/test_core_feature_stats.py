@@ -1,0 +1,139 @@
+"""The feature prior: clients measure the token moments entering each block of their ViT on their own
+data and upload them; inversion with ``feature_weight > 0`` matches them (DeepInversion's BatchNorm
+prior carried over to a ViT)."""
+import pytest
+import torch
+
+from fedml_fedmitr.core.client import train_client
+from fedml_fedmitr.core.config import ClientTrainConfig, ConfigError, FedMITRConfig
+from fedml_fedmitr.core.ensemble import Ensemble, client_weights
+from fedml_fedmitr.core.inversion import SparseModelInversion, feature_stats_loss
+from fedml_fedmitr.core.methods import ClientUpload
+from fedml_fedmitr.core.models import forward_tokens, token_moments
+
+from helpers_core import digits, loader, tiny_vit
+
+
+@pytest.fixture(scope="module")
+def data():
+    (x, y), _ = digits()
+    return x[:300], y[:300]
+
+
+def block_inputs(model, x):
+    """The patch tokens entering each block, captured by hooks on a plain forward."""
+    seen = []
+    hooks = [b.register_forward_pre_hook(lambda _m, inp: seen.append(inp[0][:, model.num_prefix_tokens:]))
+             for b in model.blocks]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_token_moments_are_the_block_inputs_mean_and_variance_over_the_whole_shard(data):
+    x, y = data
+    model = tiny_vit(seed=1)
+    stats = token_moments(model, loader(x, y, batch=64), "cpu")   # 5 batches, the last one short
+    assert stats.shape == (2, 2, model.embed_dim)                 # (blocks, mean / variance, embed_dim)
+    for block, tokens in enumerate(block_inputs(model, x)):
+        flat = tokens.reshape(-1, tokens.shape[-1])
+        torch.testing.assert_close(stats[block, 0], flat.mean(0), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(stats[block, 1], flat.var(0, unbiased=False), rtol=1e-4, atol=1e-5)
+
+
+def test_forward_with_moments_keeps_the_logits_and_reads_only_the_kept_tokens(data):
+    x = data[0][:8]
+    model = tiny_vit(seed=2)
+    keep = torch.tensor([[0, 5, 6, 15]]).repeat(8, 1)
+    logits, moments = forward_tokens(model, x, keep, return_moments=True)
+    torch.testing.assert_close(logits, forward_tokens(model, x, keep))
+    logits_a, attn, moments_a = forward_tokens(model, x, keep, return_attn=True, return_moments=True)
+    torch.testing.assert_close(logits_a, logits)
+    torch.testing.assert_close(moments_a, moments)
+    assert attn.shape == (8, 4)
+    first = model.norm_pre(model._pos_embed(model.patch_embed(x)))[:, model.num_prefix_tokens:]
+    kept = torch.gather(first, 1, keep.unsqueeze(-1).expand(-1, -1, first.shape[-1])).reshape(-1, first.shape[-1])
+    torch.testing.assert_close(moments[0, 0], kept.mean(0))
+    torch.testing.assert_close(moments[0, 1], kept.var(0, unbiased=False))
+
+
+def test_batched_and_looped_ensembles_give_the_same_moments(data):
+    x = data[0][:6]
+    models = [tiny_vit(seed=i) for i in range(3)]
+    w = client_weights("mean", [1] * 3, [[1] * 10] * 3, 10)
+    loop = Ensemble(models, w, batched="loop").client_logits(x, None, return_moments=True)
+    vmapped = Ensemble(models, w, batched="vmap").client_logits(x, None, return_moments=True)
+    torch.testing.assert_close(vmapped[0], loop[0], rtol=1e-4, atol=1e-5)
+    assert len(loop[1]) == len(vmapped[1]) == 3
+    for a, b in zip(loop[1], vmapped[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_client_uploads_its_moments_and_they_survive_the_payload(data):
+    x, y = data
+    model = tiny_vit(seed=3)
+    up = train_client(4, model, loader(x, y, batch=64, shuffle=True), ClientTrainConfig(epochs=1), "cpu", 10)
+    torch.testing.assert_close(up.feature_stats, token_moments(model, loader(x, y), "cpu"))
+    back = ClientUpload.from_payload(up.to_payload())
+    assert torch.equal(back.feature_stats, up.feature_stats)
+    bad = dict(up.to_payload(), feature_stats=[1.0, 2.0])
+    with pytest.raises(ValueError, match="feature_stats must be a float tensor"):
+        ClientUpload.from_payload(bad)
+
+
+def uploads_of(models, x, y, stats=True):
+    return [ClientUpload(client_id=k, state_dict=m.state_dict(), num_samples=len(y), label_counts=[30] * 10,
+                         feature_stats=token_moments(m, loader(x, y), "cpu") if stats else None)
+            for k, m in enumerate(models)]
+
+
+def test_inversion_with_the_prior_matches_the_clients_moments(data):
+    x, y = data
+    models = [tiny_vit(seed=i) for i in range(2)]
+    uploads = uploads_of(models, x, y)
+    cfg = FedMITRConfig(inversion_iters=40, prune_at=[20], jitter=0, flip=False, feature_weight=1.0)
+
+    def invert(c):
+        ens = Ensemble.from_uploads(uploads, lambda: tiny_vit(seed=9), 10, c, "cpu")
+        batch = SparseModelInversion(ens, c, (1, 16, 16), [0.3], [0.35], "cpu").synthesize(torch.arange(10), seed=1)
+        with torch.no_grad():   # the finished images' distance to the clients' moments, on every token
+            _, moments = ens.client_logits(batch.images, None, return_moments=True)
+        return feature_stats_loss(moments, [u.feature_stats for u in uploads]).item(), batch
+
+    with_prior, batch = invert(cfg)
+    without, plain = invert(cfg.replace(feature_weight=0.0))
+    assert with_prior < 0.5 * without
+    assert not torch.equal(batch.images, plain.images)
+    assert feature_stats_loss([u.feature_stats for u in uploads], [u.feature_stats for u in uploads]).item() == 0.0
+
+
+def test_missing_or_misshapen_statistics_are_refused_naming_the_client(data):
+    x, y = data
+    models = [tiny_vit(seed=i) for i in range(3)]
+    cfg = FedMITRConfig(feature_weight=0.1, inversion_iters=4, prune_at=[2])
+    uploads = uploads_of(models, x, y)
+    uploads[2].client_id = 7
+
+    def inverter(ups, c=cfg):
+        ens = Ensemble.from_uploads(ups, lambda: tiny_vit(seed=9), 10, c, "cpu")
+        return SparseModelInversion(ens, c, (1, 16, 16), [0.3], [0.35], "cpu")
+
+    uploads[1].feature_stats = None
+    with pytest.raises(ValueError, match=r"feature_weight = 0.1 matches .* client\(s\) \[1\] uploaded none"):
+        inverter(uploads)
+    # without the prior the server does not need them
+    inverter(uploads, cfg.replace(feature_weight=0.0)).synthesize(torch.arange(2))
+    uploads[1].feature_stats = torch.zeros(3, 2, models[0].embed_dim)
+    with pytest.raises(ValueError, match=r"client 1's feature statistics: expected a float tensor of shape \(2, 2, "):
+        inverter(uploads)
+    uploads[1].feature_stats = uploads[0].feature_stats
+    uploads[2].feature_stats = torch.full((2, 2, models[0].embed_dim), -1.0)
+    with pytest.raises(ValueError, match="client 7's feature statistics: holds NaN/Inf or a negative variance"):
+        inverter(uploads)
+    # a sub-ensemble (client screening) keeps its clients' statistics and ids
+    ens = Ensemble.from_uploads(uploads, lambda: tiny_vit(seed=9), 10, cfg, "cpu").subset([0, 2])
+    assert ens.client_ids == [0, 7] and ens.feature_stats[1] is uploads[2].feature_stats
+    with pytest.raises(ConfigError, match="fedmitr_args.feature_weight = -1.0 is invalid"):
+        FedMITRConfig.from_dict({"feature_weight": -1.0})
