@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fedml_fedmitr.core.config import FedMITRConfig  # noqa: E402
 from fedml_fedmitr.core.ensemble import Ensemble, client_weights  # noqa: E402
 from fedml_fedmitr.core.inversion import SparseModelInversion  # noqa: E402
-from fedml_fedmitr.core.models import create_vit  # noqa: E402
+from fedml_fedmitr.core.models import create_vit, token_moments  # noqa: E402
 
 
 def sync(device):
@@ -37,7 +37,12 @@ def make_ensemble(k, model, img, patch, chans, batched, device):
     for i in range(k):
         torch.manual_seed(i)
         models.append(create_vit(model, img_size=img, num_classes=10, in_chans=chans, patch_size=patch))
-    return Ensemble(models, client_weights("mean", [1] * k, [[1] * 10] * k, 10), batched=batched, device=device)
+    # feature statistics as clients upload them (token moments), here on random images: the timing needs
+    # their shape, not their values
+    images = [(torch.randn(16, chans, img, img, generator=torch.Generator().manual_seed(0)), None)]
+    stats = [token_moments(m, images, "cpu") for m in models]
+    return Ensemble(models, client_weights("mean", [1] * k, [[1] * 10] * k, 10), batched=batched, device=device,
+                    feature_stats=stats)
 
 
 def time_inversion(ens, cfg, shape, batch, device, repeats):

@@ -140,8 +140,11 @@ def _crafted_uploads(path, args_cfg, bad_client=None, bad="shape"):
         state = {k: v.clone() for k, v in model.state_dict().items()}
         if cid == bad_client:
             state["pos_embed"] = torch.zeros(1, 5, state["pos_embed"].shape[-1])  # a 2x2-patch model
+        # feature statistics of the right shape (blocks, mean and variance, embed_dim), as clients send
+        stats = torch.stack([torch.zeros(len(model.blocks), model.embed_dim),
+                             torch.ones(len(model.blocks), model.embed_dim)], dim=1)
         payloads.append({"client_id": cid, "state_dict": state, "num_samples": 100, "label_counts": [10] * classes,
-                         "train_s": 0.0})
+                         "train_s": 0.0, "feature_stats": stats})
     save_uploads(path, payloads, expected_clients=2)
 
 

@@ -124,16 +124,16 @@ def _model_fn(settings, n, init):
 
 def load_uploads(payloads, model_fn, loaders, device):
     """Cached client uploads. One cached before clients sent feature statistics gets them now, from its
-    trained weights on its own shard (``loaders[k]``): what ``train_client`` computes after training."""
+    trained weights on its own shard (``loaders[client_id]``): what ``train_client`` computes after training."""
     from fedml_fedmitr.core.methods import ClientUpload
     from fedml_fedmitr.core.models import token_moments
 
     uploads = [ClientUpload.from_payload(p) for p in payloads]
-    for k, u in enumerate(uploads):
+    for u in uploads:
         if u.feature_stats is None:
             m = model_fn()
             m.load_state_dict(u.state_dict)
-            u.feature_stats = token_moments(m, loaders[k], device)
+            u.feature_stats = token_moments(m, loaders[u.client_id], device)
     return uploads
 
 
