@@ -251,21 +251,14 @@ def _clients(cell_name: str, split: str, seed: int, args, dataset, n, device):
     import torch
 
     from fedml_fedmitr.core.client import train_client
+    from fedml_fedmitr.core.methods import ClientUpload
     from fedml_fedmitr.fedml_adapter.config import client_train_config
     from fedml_fedmitr.fedml_adapter.model import create_model
-
-    from fedbench.jobs import load_uploads
 
     path = CACHE / "clients" / f"{cell_name}_{split}_s{seed}.pt"
     if path.exists():
         blob = torch.load(str(path), map_location="cpu", weights_only=True)
-
-        def model_fn():
-            m = create_model(args, n)
-            m.load_state_dict(blob["init"])
-            return m
-
-        return load_uploads(blob["uploads"], model_fn, dataset[5], device), blob["init"], blob["train_s"]
+        return [ClientUpload.from_payload(p) for p in blob["uploads"]], blob["init"], blob["train_s"]
     init = create_model(args, n).state_dict()
     cfg = client_train_config(args)
     uploads, t = [], time.perf_counter()
@@ -311,6 +304,7 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
     from fedml_fedmitr.data import load_data
     from fedml_fedmitr.fedml_adapter.model import create_model
 
+    from fedbench.jobs import fill_feature_stats
     from fedbench.references import CurveRecorder, attention_probe, probe_k, real_images, real_pool_method
 
     device = torch.device("cpu")
@@ -328,6 +322,7 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
         m.load_state_dict(init)
         return m
 
+    fill_feature_stats(uploads, model_fn, dataset[5], device)   # uploads cached before clients sent them
     client_acc = []
     for u in uploads:
         m = model_fn()

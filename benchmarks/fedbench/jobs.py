@@ -122,19 +122,24 @@ def _model_fn(settings, n, init):
     return model_fn
 
 
-def load_uploads(payloads, model_fn, loaders, device):
-    """Cached client uploads. One cached before clients sent feature statistics gets them now, from its
-    trained weights on its own shard (``loaders[client_id]``): what ``train_client`` computes after training."""
-    from fedml_fedmitr.core.methods import ClientUpload
+def fill_feature_stats(uploads, model_fn, loaders, device):
+    """Uploads cached before clients sent feature statistics get them now, from their trained weights on
+    their own shard (``loaders[client_id]``): what ``train_client`` computes after training."""
     from fedml_fedmitr.core.models import token_moments
 
-    uploads = [ClientUpload.from_payload(p) for p in payloads]
     for u in uploads:
         if u.feature_stats is None:
             m = model_fn()
             m.load_state_dict(u.state_dict)
             u.feature_stats = token_moments(m, loaders[u.client_id], device)
     return uploads
+
+
+def load_uploads(payloads, model_fn, loaders, device):
+    """Cached client uploads, with their feature statistics (:func:`fill_feature_stats`)."""
+    from fedml_fedmitr.core.methods import ClientUpload
+
+    return fill_feature_stats([ClientUpload.from_payload(p) for p in payloads], model_fn, loaders, device)
 
 
 def job_clients(job: Dict[str, Any], device) -> Dict[str, Any]:

@@ -238,14 +238,14 @@ def token_moments(model: VisionTransformer, loader, device) -> torch.Tensor:
     on its own shard and uploads them with its weights: a ViT's analogue of the BatchNorm statistics
     that DeepInversion matches (a ViT has no BatchNorm to carry them)."""
     model.to(device).eval()
-    total, s1, s2 = 0, None, None
+    total, s1, s2 = 0, 0.0, 0.0     # token count, sums of the per-batch first and second moments
     for x, _ in loader:
         x = x.to(device)
         _, m = forward_tokens(model, x, return_moments=True)
         n = x.shape[0] * num_patches(model)
         mean, var = m[:, 0].double(), m[:, 1].double()
-        s1 = mean * n if s1 is None else s1 + mean * n
-        s2 = (var + mean * mean) * n if s2 is None else s2 + (var + mean * mean) * n
+        s1 = s1 + mean * n
+        s2 = s2 + (var + mean * mean) * n
         total += n
     if not total:
         raise ValueError("token_moments: the loader holds no images")
