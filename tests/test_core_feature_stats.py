@@ -10,6 +10,7 @@ from fedml_fedmitr.core.ensemble import Ensemble, client_weights
 from fedml_fedmitr.core.inversion import SparseModelInversion, feature_stats_loss
 from fedml_fedmitr.core.methods import ClientUpload
 from fedml_fedmitr.core.models import forward_tokens, token_moments
+from fedml_fedmitr.core.screening import screen_clients
 
 from helpers_core import digits, loader, tiny_vit
 
@@ -137,3 +138,21 @@ def test_missing_or_misshapen_statistics_are_refused_naming_the_client(data):
     assert ens.client_ids == [0, 7] and ens.feature_stats[1] is uploads[2].feature_stats
     with pytest.raises(ConfigError, match="fedmitr_args.feature_weight = -1.0 is invalid"):
         FedMITRConfig.from_dict({"feature_weight": -1.0})
+
+
+def test_a_client_can_withhold_its_statistics_and_the_server_names_it_and_the_switch(data):
+    x, y = data
+    withheld = train_client(3, tiny_vit(seed=3), loader(x, y, batch=64, shuffle=True),
+                            ClientTrainConfig(epochs=1, feature_stats=False), "cpu", 10)
+    assert withheld.feature_stats is None and "feature_stats" not in withheld.to_payload()
+    assert ClientUpload.from_payload(withheld.to_payload()).feature_stats is None
+    uploads = uploads_of([tiny_vit(seed=4), tiny_vit(seed=5)], x, y) + [withheld]
+    cfg = FedMITRConfig(feature_weight=0.1, inversion_iters=4, prune_at=[2], synthesis_batch_size=10,
+                        screening_images=10, screening_iters=3, screening_min_ratio=0.5, min_clients_after_screening=1)
+    ens = Ensemble.from_uploads(uploads, lambda: tiny_vit(seed=9), 10, cfg, "cpu")
+    with pytest.raises(ValueError, match=r"client\(s\) \[3\] uploaded none \(withheld with "
+                                         r"train_args.client_feature_stats: false"):
+        SparseModelInversion(ens, cfg, (1, 16, 16), [0.3], [0.35], "cpu")
+    # the poisoned-upload screen's probe compares weights and predictions only: it runs without them
+    report = screen_clients(ens, uploads, cfg, (1, 16, 16), [0.3], [0.35], "cpu", 10)
+    assert report.probe_images == 10 and len(report.agreement) == 3

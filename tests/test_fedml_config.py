@@ -38,12 +38,26 @@ def test_valid_tiny_config(tmp_path):
     ({"data_args": {"dataset": "npz", "npz_path": "/nonexistent/x.npz"}}, ["/nonexistent/x.npz"]),
     ({"model_args": {"model": "not_a_model"}}, ["model_args.model", "not_a_model"]),
     ({"comm_args": {"backend": "NCCL"}}, ["backend", "NCCL"]),
+    ({"train_args": {"client_feature_stats": "no"}}, ["train_args.client_feature_stats", "true or false"]),
+    # clients that withhold their statistics and a server that matches them: refused before training
+    ({"train_args": {"client_feature_stats": False}},
+     ["train_args.client_feature_stats = false", "fedmitr_args.feature_weight = 0.1", "feature_weight: 0"]),
 ])
 def test_bad_values_are_named(tmp_path, sections, words):
     with pytest.raises(ConfigError) as err:
         _validate(tmp_path, **sections)
     for word in words:
         assert word in str(err.value), (word, str(err.value))
+
+
+@pytest.mark.parametrize("sections", [
+    {"fedmitr_args": {"feature_weight": 0.0}},              # no feature prior
+    {"train_args": {"federated_optimizer": "DENSE"}},        # a method that never reads it
+])
+def test_withheld_feature_statistics_are_fine_where_nothing_matches_them(tmp_path, sections):
+    sections = {**sections, "train_args": {"client_feature_stats": False, **sections.get("train_args", {})}}
+    _, flat = _validate(tmp_path, **sections)
+    assert flat.fedmitr_settings.client.feature_stats is False
 
 
 def test_missing_config_file(tmp_path):

@@ -81,12 +81,14 @@ def label_counts_of(loader, num_classes: int) -> list:
 
 def train_client(client_id: int, model: nn.Module, loader, cfg: ClientTrainConfig, device,
                  num_classes: int, callbacks: Optional[Callbacks] = None) -> ClientUpload:
-    """Train one client and package its upload (weights on CPU, sample and label counts, and the token
-    moments of its trained model on its shard, which the server's feature prior matches)."""
+    """Train one client and package its upload (weights on CPU, sample and label counts, and, unless
+    ``cfg.feature_stats`` is False, the token moments of its trained model on its shard, which the
+    server's feature prior matches)."""
     counts = label_counts_of(loader, num_classes)
     if sum(counts) == 0:
         raise ValueError(f"client {client_id} has an empty training shard")
     train_local(model, loader, cfg, device, callbacks, desc=f"client {client_id}")
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return ClientUpload(client_id=client_id, state_dict=state, num_samples=int(sum(counts)),
-                        label_counts=counts, feature_stats=token_moments(model, loader, device))
+                        label_counts=counts,
+                        feature_stats=token_moments(model, loader, device) if cfg.feature_stats else None)

@@ -439,6 +439,8 @@ class ClientTrainConfig:
     augment: bool = True                # random crop (padding) + horizontal flip
     flip: bool = True                   # set False for digits, where a mirror changes meaning
     label_smoothing: float = 0.0
+    feature_stats: bool = True          # upload the token moments of the trained model on the shard (the
+                                        # server's feature prior, FedMITRConfig.feature_weight); False: withheld
 
     def validate(self, where: str = "train_args") -> "ClientTrainConfig":
         if self.epochs < 1:

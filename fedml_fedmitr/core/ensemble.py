@@ -127,7 +127,8 @@ class Ensemble:
         missing = [cid for cid, t in zip(self.client_ids, self.feature_stats) if t is None]
         if missing:
             raise ValueError(f"{what} matches each client's feature statistics, but client(s) {missing} uploaded "
-                             "none (clients of an older fedml_fedmitr); set feature_weight: 0 or update those clients")
+                             "none (withheld with train_args.client_feature_stats: false, or clients of an older "
+                             "fedml_fedmitr); set feature_weight: 0, or let those clients send them")
         for cid, t, m in zip(self.client_ids, self.feature_stats, self.models):
             check_feature_stats(t, m, f"client {cid}'s feature statistics")
         return [t.to(self.device, torch.float32) for t in self.feature_stats]

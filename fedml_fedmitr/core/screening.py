@@ -137,7 +137,9 @@ def _probe_test(report: ScreeningReport, ensemble: Ensemble, survivors: List[int
     ids = report.client_ids
     # the probe: dense inversion of the mean ensemble of the clients that passed test 1
     probe_cfg = cfg.replace(inversion="dense", inversion_iters=cfg.screening_iters, save_images=False,
-                            competition_weight=0.0)   # the probe has no student start to compete with
+                            # the probe has no student start to compete with, and compares the clients'
+                            # weights, not the statistics they say they measured
+                            competition_weight=0.0, feature_weight=0.0)
     kept = ensemble.subset(survivors)
     inverter = SparseModelInversion(kept, probe_cfg, input_shape, mean, std, device, None)
     images = []

@@ -125,11 +125,32 @@ def settings_from(sections: Optional[Mapping[str, Any]], args, path: str = "") -
         own = {k: v for k, v in raw.items() if k not in ADAPTER_KEYS}
         check_known_keys(own, path)
     core = {k: v for k, v in own.items() if k not in RUN_CONTROL_KEYS}
-    return PluginSettings(method=FedMITRConfig.from_dict(core, where=SECTION),
-                          run=RunControl.from_section(raw),
-                          client=client_train_config(args),
-                          adapter={k: v for k, v in raw.items() if k in ("custom_keys",) + SECURITY_KEYS},
-                          given=tuple(raw))
+    settings = PluginSettings(method=FedMITRConfig.from_dict(core, where=SECTION),
+                              run=RunControl.from_section(raw),
+                              client=client_train_config(args),
+                              adapter={k: v for k, v in raw.items() if k in ("custom_keys",) + SECURITY_KEYS},
+                              given=tuple(raw))
+    check_feature_prior(settings, args)
+    return settings
+
+
+def check_feature_prior(settings: PluginSettings, args) -> None:
+    """A simulation whose clients withhold their feature statistics (``train_args.client_feature_stats:
+    false``) cannot run a method that matches them (``fedmitr_args.feature_weight > 0``): refused before
+    any client trains. A cross-silo party's file describes only its own side; there the server names
+    the clients that sent none when synthesis starts (``Ensemble.checked_feature_stats``)."""
+    from ..core.methods import get_method, method_names
+
+    if settings.client.feature_stats or settings.method.feature_weight <= 0:
+        return
+    if getattr(args, "training_type", "simulation") == "cross_silo":
+        return
+    name = getattr(args, "federated_optimizer", None)
+    if name in method_names() and "feature_weight" in get_method(name).used_keys():
+        raise ConfigError(f"train_args.client_feature_stats = false withholds the clients' feature statistics, "
+                          f"but {SECTION}.feature_weight = {settings.method.feature_weight} makes {name} match "
+                          f"them: set feature_weight: 0 (inversion without the feature prior) or "
+                          f"client_feature_stats: true")
 
 
 def read_settings(args) -> PluginSettings:
@@ -262,7 +283,8 @@ OPTIMIZER_ALIASES = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
 
 def client_train_config(args) -> ClientTrainConfig:
     """FedML's ``train_args`` (epochs, batch_size, learning_rate, client_optimizer, weight_decay,
-    and the plugin's optional momentum, client_augment, client_flip, label_smoothing)."""
+    and the plugin's optional momentum, client_augment, client_flip, label_smoothing,
+    client_feature_stats)."""
     opt = getattr(args, "client_optimizer", "adamw")
     if not isinstance(opt, str) or opt.lower() not in OPTIMIZER_ALIASES:
         raise ConfigError(f"train_args.client_optimizer = {opt!r} is invalid: expected 'adamw', 'adam' or 'sgd'")
@@ -276,6 +298,7 @@ def client_train_config(args) -> ClientTrainConfig:
         augment=_bool(args, "client_augment", True),
         flip=_bool(args, "client_flip", True),
         label_smoothing=_float(args, "label_smoothing", 0.0),
+        feature_stats=_bool(args, "client_feature_stats", True),
     )
     if cfg.label_smoothing >= 1.0:
         raise ConfigError(f"train_args.label_smoothing = {cfg.label_smoothing!r} is invalid: expected [0, 1)")
