@@ -1,0 +1,46 @@
+"""benchmarks/shipped_configs.py: the seeded copies it runs are the shipped configs with only the seed
+and the output folder changed, and they still validate. No child process."""
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import shipped_configs  # noqa: E402
+
+from fedml_fedmitr.cli import validate  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(shipped_configs.CONFIGS))
+def test_a_seeded_copy_is_the_shipped_config_but_for_seed_and_output(tmp_path, tmp_home, name):
+    for role, src in shipped_configs.CONFIGS[name]["files"].items():
+        original = yaml.safe_load((ROOT / src).read_text())
+        dst = tmp_path / f"{role}.yaml"
+        shipped_configs.seeded_copy(ROOT / src, dst, 2, str(tmp_path / "out"))
+        copy = yaml.safe_load(dst.read_text())
+        assert copy["common_args"].pop("random_seed") == 2 and original["common_args"].pop("random_seed") == 0
+        assert copy["fedmitr_args"].pop("output_dir") == str(tmp_path / "out")
+        original["fedmitr_args"].pop("output_dir")
+        assert copy == original
+        if name != "stock_main":   # the stock main.py reads its own dataset; its keys are FedML's
+            _, flat = validate(str(dst))
+            assert flat.random_seed == 2
+
+
+def test_a_config_without_the_seed_key_is_refused_by_name(tmp_path):
+    src = tmp_path / "c.yaml"
+    src.write_text(yaml.safe_dump({"common_args": {}, "fedmitr_args": {"output_dir": "x"}}))
+    with pytest.raises(SystemExit, match="common_args.random_seed"):
+        shipped_configs.seeded_copy(src, tmp_path / "d.yaml", 1, "y")
+
+
+def test_the_table_marks_each_seed_against_the_bar():
+    rows = [{"config": "mpi", "seed": s, "test_acc": t, "ensemble_acc": 0.8, "ratio": t / 0.8,
+             "client_test_acc": [0.5, 0.6], "wall_s": 60.0} for s, t in ((0, 0.76), (1, 0.70))]
+    md = shipped_configs.markdown(rows, ["mpi"], [0, 1], "abc", "--configs mpi")
+    assert "| mpi | 0 | 50.0 / 60.0 | 76.0 | 80.0 | 0.95 | yes | 1.0 |" in md
+    assert "| mpi | 1 | 50.0 / 60.0 | 70.0 | 80.0 | 0.87 | no | 1.0 |" in md
+    assert "| mpi | mean | | 73.0 | 80.0 | 0.91 | not on every seed | |" in md
