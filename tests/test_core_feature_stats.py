@@ -156,3 +156,22 @@ def test_a_client_can_withhold_its_statistics_and_the_server_names_it_and_the_sw
     # the poisoned-upload screen's probe compares weights and predictions only: it runs without them
     report = screen_clients(ens, uploads, cfg, (1, 16, 16), [0.3], [0.35], "cpu", 10)
     assert report.probe_images == 10 and len(report.agreement) == 3
+
+
+def test_a_client_with_outlandish_statistics_pulls_no_harder_than_any_other():
+    """The prior sums l2 distances, not squared ones: each client's term has a gradient of norm 1 per
+    block and moment, whatever it sent, so a poisoned client's pull is bounded by w / K like anyone's."""
+    torch.manual_seed(0)
+    moments = [torch.randn(2, 2, 8, requires_grad=True) for _ in range(3)]
+    honest = [torch.rand(2, 2, 8) for _ in range(3)]
+
+    def grads(targets):
+        for m in moments:
+            m.grad = None
+        feature_stats_loss(moments, targets).backward()
+        return [m.grad.norm(dim=2) for m in moments]
+
+    poisoned = honest[:2] + [honest[2] * 1e6]
+    for g_honest, g_poisoned in zip(grads(honest), grads(poisoned)):
+        torch.testing.assert_close(g_honest, torch.full((2, 2), 1 / 3))
+        torch.testing.assert_close(g_poisoned, torch.full((2, 2), 1 / 3))
