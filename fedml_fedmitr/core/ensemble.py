@@ -63,7 +63,8 @@ class Ensemble:
     def __init__(self, models: List[nn.Module], weights: torch.Tensor, aggregate: str = "mean",
                  trim_fraction: float = 0.2, batched: str = "auto", device=None,
                  offsets: Optional[torch.Tensor] = None,
-                 feature_stats: Optional[List[Optional[torch.Tensor]]] = None):
+                 feature_stats: Optional[List[Optional[torch.Tensor]]] = None,
+                 client_ids: Optional[List[int]] = None):
         if not models:
             raise ValueError("an ensemble needs at least one model")
         self.device = torch.device(device) if device is not None else next(models[0].parameters()).device
@@ -74,7 +75,8 @@ class Ensemble:
         # per client, the (depth, 2, embed_dim) token moments it measured on its data (None: not uploaded);
         # read through checked_feature_stats()
         self.feature_stats = list(feature_stats) if feature_stats is not None else [None] * len(self.models)
-        self.client_ids = list(range(len(self.models)))
+        # the clients' ids, for messages (positions when not given)
+        self.client_ids = list(client_ids) if client_ids is not None else list(range(len(self.models)))
         self.aggregate = aggregate
         self.trim_fraction = trim_fraction
         mixed = not same_architecture(self.models)
@@ -102,10 +104,8 @@ class Ensemble:
                                  [u.label_counts for u in uploads], num_classes)
         offsets = (label_prior_offsets([u.label_counts for u in uploads], num_classes)
                    if cfg.ensemble_calibration == "label_prior" else None)
-        ens = cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device,
-                  offsets, [u.feature_stats for u in uploads])
-        ens.client_ids = [int(u.client_id) for u in uploads]
-        return ens
+        return cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device,
+                   offsets, [u.feature_stats for u in uploads], [int(u.client_id) for u in uploads])
 
     def __len__(self) -> int:
         return len(self.models)
@@ -115,11 +115,9 @@ class Ensemble:
         keep = list(keep)
         w = self.weights[keep]
         w = w / w.sum(0, keepdim=True).clamp_min(1e-12)
-        sub = Ensemble([self.models[i] for i in keep], w, self.aggregate, self.trim_fraction,
-                       self.batched, self.device, None if self.offsets is None else self.offsets[keep],
-                       [self.feature_stats[i] for i in keep])
-        sub.client_ids = [self.client_ids[i] for i in keep]
-        return sub
+        return Ensemble([self.models[i] for i in keep], w, self.aggregate, self.trim_fraction,
+                        self.batched, self.device, None if self.offsets is None else self.offsets[keep],
+                        [self.feature_stats[i] for i in keep], [self.client_ids[i] for i in keep])
 
     def checked_feature_stats(self, what: str = "fedmitr_args.feature_weight > 0") -> List[torch.Tensor]:
         """Every client's feature statistics on the ensemble's device, checked against its model; a
