@@ -9,7 +9,7 @@ from fedml_fedmitr.core.config import ClientTrainConfig, ConfigError, FedMITRCon
 from fedml_fedmitr.core.ensemble import Ensemble, client_weights
 from fedml_fedmitr.core.inversion import SparseModelInversion, feature_stats_loss
 from fedml_fedmitr.core.methods import ClientUpload
-from fedml_fedmitr.core.models import forward_tokens, token_moments
+from fedml_fedmitr.core.models import forward_tokens, patch_token_sums, pooled_moments, run_blocks, token_moments
 from fedml_fedmitr.core.screening import screen_clients
 
 from helpers_core import digits, loader, tiny_vit
@@ -175,3 +175,52 @@ def test_a_client_with_outlandish_statistics_pulls_no_harder_than_any_other():
     for g_honest, g_poisoned in zip(grads(honest), grads(poisoned)):
         torch.testing.assert_close(g_honest, torch.full((2, 2), 1 / 3))
         torch.testing.assert_close(g_poisoned, torch.full((2, 2), 1 / 3))
+
+
+def test_halted_token_sums_pooled_with_the_kept_moments_give_the_whole_image_moments(data):
+    """feature_tokens: all pools the kept tokens' moments with the halted ones' sums; on one forward of
+    every token that is exactly the moments of all of them."""
+    x, _ = data
+    model = tiny_vit(seed=2)
+    images = x[:6]
+    torch.manual_seed(0)
+    halted = torch.rand(6, 16) < 0.4
+    with torch.no_grad():
+        _, everything = forward_tokens(model, images, return_moments=True)
+    inputs = block_inputs(model, images)
+    for block, t in enumerate(inputs):
+        kept_t = t[~halted]                                   # (count, embed_dim)
+        kept = torch.stack([kept_t.mean(0), kept_t.var(0, unbiased=False)]).unsqueeze(0)
+        sums = patch_token_sums(model, images, halted)[block:block + 1]
+        pooled = pooled_moments(kept, kept_t.shape[0], sums, int(halted.sum()))
+        torch.testing.assert_close(pooled[0], everything[block], rtol=1e-4, atol=1e-5)
+    # with no halted token the sums are zero and the moments stay the kept ones
+    none = patch_token_sums(model, images, torch.zeros(6, 16, dtype=torch.bool))
+    assert torch.equal(none, torch.zeros_like(none))
+    torch.testing.assert_close(pooled_moments(everything, 96, none, 0), everything)
+    _, direct = run_blocks(model, model.norm_pre(model._pos_embed(model.patch_embed(images))), True)
+    torch.testing.assert_close(direct, everything)
+
+
+def test_the_prior_over_all_tokens_brings_whole_images_closer_to_the_clients(data):
+    """After pruning, ``feature_tokens: kept`` pulls the foreground alone towards statistics measured on
+    whole images; ``all`` matches the whole images' moments, which end closer to the clients'."""
+    x, y = data
+    models = [tiny_vit(seed=i) for i in range(2)]
+    uploads = uploads_of(models, x, y)
+    cfg = FedMITRConfig(inversion_iters=40, prune_at=[8, 16], prune_ratio=0.5, jitter=0, flip=False,
+                        feature_weight=1.0, feature_tokens="all")
+
+    def invert(c):
+        ens = Ensemble.from_uploads(uploads, lambda: tiny_vit(seed=9), 10, c, "cpu")
+        batch = SparseModelInversion(ens, c, (1, 16, 16), [0.3], [0.35], "cpu").synthesize(torch.arange(10), seed=1)
+        with torch.no_grad():
+            _, moments = ens.client_logits(batch.images, None, return_moments=True)
+        return feature_stats_loss(moments, [u.feature_stats for u in uploads]).item(), batch
+
+    every, batch = invert(cfg)
+    kept, kept_batch = invert(cfg.replace(feature_tokens="kept"))
+    assert every < kept
+    assert int(batch.masks[0].sum()) == 4 and not torch.equal(batch.images, kept_batch.images)
+    with pytest.raises(ConfigError, match="fedmitr_args.feature_tokens = 'some' is invalid: expected one of 'kept', 'all'"):
+        FedMITRConfig.from_dict({"feature_tokens": "some"})

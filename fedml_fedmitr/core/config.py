@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 # Allowed values of the string options, in one place so validation and docs agree.
 CHOICES: Dict[str, Tuple[str, ...]] = {
     "inversion": ("sparse", "dense"),
+    "feature_tokens": ("kept", "all"),
     "distill_mode": ("token_relabel", "kd_full", "ce_foreground"),
     "student_init": ("fedavg", "scratch", "pretrained"),
     "ensemble_weighting": ("mean", "samples", "per_class"),
@@ -84,6 +85,12 @@ class FedMITRConfig:
                                         # (Yin et al. 2020); 0: off. 0.1 chosen on the validation split of
                                         # benchmarks/robustness.py (w = 1 over-pulls the images) and confirmed on
                                         # its test matrix: +2.6 [+0.7, +4.6] points over 40 pairs (#18)
+    feature_tokens: str = "kept"        # which patch tokens the feature prior measures once sparse inversion has
+                                        # pruned: "kept" (the ones in the forward pass) or "all" (the kept ones
+                                        # pooled with the halted ones, whose block inputs are measured by a
+                                        # full forward, without gradient, at each prune point): the clients
+                                        # measured whole images, so "kept" pulls the foreground alone to
+                                        # whole-image statistics; same before the first prune point
     inversion: str = "sparse"           # "sparse" (FedMITR) or "dense" (no pruning; ablation)
     prune_at: Optional[List[int]] = None  # explicit prune iterations; overrides prune_fractions
     prune_fractions: Optional[List[float]] = None  # None: SMI's points from 2000 steps on, else 10/20/35/50%
@@ -332,8 +339,8 @@ class FedMITRConfig:
 # sections (screening inverts its probe images in batches of synthesis_batch_size).
 SECTIONS: Dict[str, Tuple[str, ...]] = {
     "inversion": ("num_synthetic", "synthesis_batch_size", "inversion_iters", "inversion_lr", "inversion_betas",
-                  "tv_weight", "jitter", "flip", "color_shift", "competition_weight", "feature_weight", "boundary_fraction",
-                  "inversion", "prune_at", "prune_fractions", "prune_ratio"),
+                  "tv_weight", "jitter", "flip", "color_shift", "competition_weight", "feature_weight", "feature_tokens",
+                  "boundary_fraction", "inversion", "prune_at", "prune_fractions", "prune_ratio"),
     "student": ("student_init", "distill_optimizer", "distill_lr", "distill_weight_decay", "distill_batch_size",
                 "distill_augment"),
     "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "foreground_target",

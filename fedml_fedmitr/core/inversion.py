@@ -18,6 +18,8 @@ not, i.e. the knowledge distillation has to add (Adaptive DeepInversion's compet
 the loss adds w * :func:`feature_stats_loss`: the mean and variance of the (kept) patch tokens entering
 each block of each client's ViT, on the batch, pulled towards what that client measured on its own
 data and uploaded (DeepInversion's BatchNorm-statistics prior, for a ViT, which has no BatchNorm).
+With ``feature_tokens: all`` the halted patches count too once pruning starts: at each prune point a
+full forward (no gradient) measures their block inputs, and the moments pool them with the kept ones.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from torch import nn
 
 from .config import FedMITRConfig, resolve_augmentation
 from .ensemble import Ensemble
-from .models import autocast, forward_tokens
+from .models import autocast, forward_tokens, patch_token_sums, pooled_moments
 
 
 @dataclass
@@ -201,11 +203,15 @@ class SparseModelInversion:
         frozen_px = torch.zeros(b, 1, self.h, self.w, dtype=torch.bool, device=self.device)
         bar = self.callbacks.progress(f"{tag} batch {batch_index}", cfg.inversion_iters) if self.callbacks else None
         prune_step = {p: j for j, p in enumerate(self.prune_points)}
+        halted_sums = None   # per client, the halted patches' block-input sums (feature_tokens: all)
         for it in range(cfg.inversion_iters):
             if it in prune_step:
                 keep = self._prune(x.detach(), keep, self.keep_counts[prune_step[it]])
                 kept_mask = torch.zeros_like(kept_mask).scatter_(1, keep, True)
                 frozen_px = ~patch_mask_to_pixels(kept_mask, self.grid, self.patch, (self.h, self.w))
+                if self.feature_stats is not None and cfg.feature_tokens == "all":
+                    with autocast(self.device, cfg.autocast):
+                        halted_sums = [patch_token_sums(m, x.detach(), ~kept_mask) for m in self.ensemble.models]
             # jitter (roll) + flip; the keep set follows the image, to the nearest whole patch
             dy = int(torch.randint(-self.jitter, self.jitter + 1, (1,), generator=gen))
             dx = int(torch.randint(-self.jitter, self.jitter + 1, (1,), generator=gen))
@@ -228,6 +234,9 @@ class SparseModelInversion:
             ce = F.cross_entropy(logits.float(), targets)
             loss = ce + cfg.tv_weight * tv_l2(x)
             if self.feature_stats is not None:
+                if halted_sums is not None:
+                    kept_n, halted_n = b * keep.shape[1], b * (self.num_patches - keep.shape[1])
+                    moments = [pooled_moments(m, kept_n, s, halted_n) for m, s in zip(moments, halted_sums)]
                 loss = loss + cfg.feature_weight * feature_stats_loss(moments, self.feature_stats)
             if self.start is not None:
                 with autocast(self.device, cfg.autocast):

@@ -198,6 +198,32 @@ def run_blocks(model: VisionTransformer, tokens: torch.Tensor, return_moments: b
     return tokens, torch.stack(moments)
 
 
+@torch.no_grad()
+def patch_token_sums(model: VisionTransformer, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum and sum of squares, over the batch and the patch tokens that ``mask`` (B, N) selects, of each
+    block's input in a forward of every token of ``x``; (depth, 2, embed_dim), float32. What those
+    tokens add to :func:`run_blocks`'s moments when they are left out of a sparse forward."""
+    tokens = embed_tokens(model, x)
+    p = model.num_prefix_tokens
+    w = mask.unsqueeze(-1).float()
+    sums = []
+    for block in model.blocks:
+        t = tokens[:, p:].float()
+        sums.append(torch.stack([(t * w).sum(dim=(0, 1)), (t * t * w).sum(dim=(0, 1))]))
+        tokens = block(tokens)
+    return torch.stack(sums)
+
+
+def pooled_moments(moments: torch.Tensor, count: int, sums: torch.Tensor, other_count: int) -> torch.Tensor:
+    """Token mean and variance (depth, 2, embed_dim) of ``count`` tokens with ``moments`` (see
+    :func:`run_blocks`) pooled with ``other_count`` tokens whose sums :func:`patch_token_sums` gives."""
+    mean, var = moments[:, 0], moments[:, 1]
+    n = count + other_count
+    pooled_mean = (count * mean + sums[:, 0]) / n
+    second = (count * (var + mean * mean) + sums[:, 1]) / n
+    return torch.stack([pooled_mean, (second - pooled_mean * pooled_mean).clamp_min(0.0)], dim=1)
+
+
 def forward_tokens(model: VisionTransformer, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None,
                    return_attn: bool = False, return_moments: bool = False):
     """Logits of ``model`` on images ``x`` seeing only the patches ``keep_idx`` (B, k) (all if None).
