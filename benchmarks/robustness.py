@@ -284,6 +284,20 @@ def _predictions(fn, loader, device):
     return torch.cat(preds), torch.cat(ys)
 
 
+def environment(jobs: int, threads: int) -> Dict[str, Any]:
+    """What the clients' training depends on beyond the seed: the same seed gives the same uploads on CPU
+    only with the same library versions and threads per process (a rebuilt cache elsewhere may differ)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for pkg in ("torch", "torchvision", "timm", "numpy", "scikit-learn", "fedml"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    return {"python": sys.version.split()[0], "packages": versions, "jobs": jobs, "threads_per_job": threads}
+
+
 def core_version() -> str:
     """A hash of the core's source: a method record computed by other code is not reused."""
     h = hashlib.sha256()
@@ -626,7 +640,9 @@ def change_table(base: Dict[str, Any], other: Dict[str, Any], method: str = "Fed
     for k in pairs:
         if b[k]["client_acc"] != o[k]["client_acc"]:
             raise SystemExit(f"--change: cell {k[0]} seed {k[1]} holds different client uploads in the two results "
-                             f"(client accuracies {b[k]['client_acc']} vs {o[k]['client_acc']}); rerun both on one cache")
+                             f"(client accuracies {b[k]['client_acc']} vs {o[k]['client_acc']}): the uploads were trained "
+                             f"on different caches (another environment or thread count, settings.environment); "
+                             f"rerun both on one cache")
     cells = [c for c in CELLS if any(k[0] == c for k in pairs)]
     rows, diffs = {}, []
     for c in cells:
@@ -746,7 +762,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     settings = {"name": a.name, "command": _command(argv),
                 "budget": BUDGET, "overrides": overrides, "split": a.split, "methods": a.methods, "seeds": a.seeds,
                 "cells": {c: CELLS[c] for c in a.cells}, "client_training": CLIENT, "backbones": backbones,
-                "defaults": FedMITRConfig().to_dict(), "wall_s": time.perf_counter() - t0}
+                "defaults": FedMITRConfig().to_dict(), "environment": environment(a.jobs, a.threads),
+                "wall_s": time.perf_counter() - t0}
     return write_report(a, settings, summary, records)
 
 

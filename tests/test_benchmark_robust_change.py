@@ -46,8 +46,17 @@ def test_change_is_paired_by_cell_and_seed():
 def test_change_refuses_results_from_different_uploads():
     base = _result("base", {("digits_K5_a0.5", 0): 0.4})
     other = _result("other", {("digits_K5_a0.5", 0): 0.4}, clients={("digits_K5_a0.5", 0): [0.5, 0.7]})
-    with pytest.raises(SystemExit, match="digits_K5_a0.5 seed 0 holds different client uploads"):
+    with pytest.raises(SystemExit, match="digits_K5_a0.5 seed 0 holds different client uploads .*different caches "
+                                         r"\(another environment or thread count, settings.environment\)"):
         robustness.change_table(base, other)
+
+
+def test_a_result_records_what_its_uploads_depend_on_beyond_the_seed():
+    env = robustness.environment(jobs=2, threads=1)
+    assert (env["jobs"], env["threads_per_job"]) == (2, 1)
+    assert env["python"] == sys.version.split()[0]
+    assert env["packages"]["timm"] and env["packages"]["numpy"] and env["packages"]["torch"]
+    assert env["packages"]["scikit-learn"] and env["packages"]["fedml"] == "0.9.6"
 
 
 def test_change_cli_writes_its_report_and_names_a_missing_result(tmp_path, monkeypatch, capsys):
