@@ -594,31 +594,66 @@ def write_report(a, settings, summary, records, tail: str = "") -> int:
     return 0
 
 
-def merge_results(a, argv) -> int:
-    """One report from the records of several result files (e.g. a method run on fewer seeds)."""
+def merge_source(item: str):
+    """``NAME`` (every record of benchmarks/results/NAME.json) or ``NAME:S1,S2`` (only those seeds)."""
+    if ":" not in item:
+        return item, None
+    name, seeds = item.split(":", 1)
+    try:
+        only = {int(x) for x in seeds.split(",") if x.strip()}
+    except ValueError:
+        only = set()
+    if not only:
+        raise SystemExit(f"--merge {item!r}: expected NAME or NAME:SEEDS with SEEDS a comma-separated list of integers")
+    return name, only
+
+
+def merge_records(items: Sequence[str]):
+    """The records of several results (``NAME`` or ``NAME:SEEDS``), the methods of each (cell, seed)
+    joined, and where each came from. Two results holding different uploads of one (cell, seed) (their
+    client accuracies differ) are refused: their methods ran on different clients."""
     merged: Dict[Any, Dict[str, Any]] = {}
+    origin: Dict[Any, str] = {}
     sources = []
-    for name in a.merge:
+    for item in items:
+        name, only = merge_source(item)
         blob = json.loads((RESULTS / f"{name}.json").read_text())
-        sources.append({"name": name, "command": blob["settings"]["command"]})
+        sources.append({"name": name, "command": blob["settings"]["command"],
+                        "seeds": None if only is None else sorted(only)})
         for r in blob["records"]:
             key = (r["cell"], r["seed"])
+            if only is not None and r["seed"] not in only:
+                continue
             if key not in merged:
                 merged[key] = dict(r, methods=dict(r["methods"]))
+                origin[key] = name
+            elif merged[key]["client_acc"] != r["client_acc"]:
+                raise SystemExit(f"--merge: cell {key[0]} seed {key[1]} holds different client uploads in {origin[key]} "
+                                 f"and {name} (client accuracies {merged[key]['client_acc']} vs {r['client_acc']}): "
+                                 f"trained on different caches (settings.environment); take each seed from one of "
+                                 f"them (NAME:SEEDS, e.g. {name}:{key[1]})")
             else:
                 merged[key]["methods"].update(r["methods"])
             if "attention_probe" in r:
                 merged[key]["attention_probe"] = r["attention_probe"]
     records = sorted(merged.values(), key=lambda r: (list(CELLS).index(r["cell"]), r["seed"]))
+    return records, sources
+
+
+def merge_results(a, argv) -> int:
+    """One report from the records of several result files (e.g. a method run on fewer seeds)."""
+    records, sources = merge_records(a.merge)
     cells = [c for c in CELLS if any(r["cell"] == c for r in records)]
     seeds = sorted({r["seed"] for r in records})
     methods = [m for m in METHODS if any(m in r["methods"] for r in records)]
     summary = summarise(records, cells, seeds, methods)
-    first = json.loads((RESULTS / f"{a.merge[0]}.json").read_text())["settings"]
+    first = json.loads((RESULTS / f"{merge_source(a.merge[0])[0]}.json").read_text())["settings"]
     settings = dict(first, name=a.name, methods=methods, seeds=seeds, merged_from=sources,
                     command=_command(argv))
     return write_report(a, settings, summary, records,
-                        "\nMerged from: " + "; ".join(f"`{s['command']}`" for s in sources) + "\n")
+                        "\nMerged from: " + "; ".join(f"`{s['command']}`" + ("" if s["seeds"] is None else
+                                                                   f" (seeds {', '.join(map(str, s['seeds']))})")
+                                                   for s in sources) + "\n")
 
 
 def change_table(base: Dict[str, Any], other: Dict[str, Any], method: str = "FedMITR") -> Dict[str, Any]:
@@ -716,8 +751,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="report the method records already computed; compute nothing new (e.g. a method run "
                         "on fewer seeds than the others)")
     p.add_argument("--merge", nargs="+", metavar="NAME",
-                   help="write --name from the records of these earlier results (benchmarks/results/NAME.json), "
-                        "the methods of each (cell, seed) joined; runs nothing")
+                   help="write --name from the records of these earlier results (benchmarks/results/NAME.json, "
+                        "or NAME:0,2 for only those seeds), the methods of each (cell, seed) joined (refused where "
+                        "two hold different uploads of one (cell, seed)); runs nothing")
     p.add_argument("--change", nargs=2, metavar=("BASE", "OTHER"),
                    help="write --name: the paired change of --change-method from result BASE to result OTHER "
                         "(benchmarks/results/NAME.json, the same uploads), per cell and over all pairs; runs nothing")

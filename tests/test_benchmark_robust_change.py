@@ -71,3 +71,25 @@ def test_change_cli_writes_its_report_and_names_a_missing_result(tmp_path, monke
     assert (tmp_path / "a_to_b.md").read_text().startswith("# FedMITR: b minus a")
     with pytest.raises(SystemExit, match="missing.json"):
         robustness.main(["--change", "a", "missing", "--name", "x"])
+
+
+def test_merge_joins_methods_takes_chosen_seeds_and_refuses_mixed_uploads(tmp_path, monkeypatch):
+    monkeypatch.setattr(robustness, "RESULTS", tmp_path)
+    old_cache = {("digits_K2_a0.5", 0): [0.5, 0.6], ("digits_K2_a0.5", 1): [0.5, 0.6]}
+    new_cache = {("digits_K2_a0.5", s): [0.4, 0.7] for s in range(3)}
+    (tmp_path / "old.json").write_text(json.dumps(_result("old", {k: 0.5 for k in old_cache}, clients=old_cache)))
+    (tmp_path / "new.json").write_text(json.dumps(_result("new", {k: 0.6 for k in new_cache}, clients=new_cache)))
+    di = _result("di", {k: 0.7 for k in new_cache}, clients=new_cache)
+    for r in di["records"]:
+        r["methods"] = {"DeepInversion": r["methods"]["FedMITR"]}
+    (tmp_path / "di.json").write_text(json.dumps(di))
+    with pytest.raises(SystemExit, match=r"--merge: cell digits_K2_a0.5 seed 0 holds different client uploads in "
+                                         r"old and new .*take each seed from one of them \(NAME:SEEDS, e.g. new:0\)"):
+        robustness.merge_records(["old", "new"])
+    records, sources = robustness.merge_records(["old", "new:2", "di:2"])
+    assert [(r["seed"], r["client_acc"]) for r in records] == [(0, [0.5, 0.6]), (1, [0.5, 0.6]), (2, [0.4, 0.7])]
+    assert records[2]["methods"] == {"FedMITR": {"test_acc": 0.6, "teacher_acc": 0.8, "collapsed": False},
+                                     "DeepInversion": {"test_acc": 0.7, "teacher_acc": 0.8, "collapsed": False}}
+    assert [s["seeds"] for s in sources] == [None, [2], [2]]
+    with pytest.raises(SystemExit, match="--merge 'new:x': expected NAME or NAME:SEEDS"):
+        robustness.merge_records(["new:x"])
