@@ -599,13 +599,16 @@ def merge_source(item: str):
     if ":" not in item:
         return item, None
     name, seeds = item.split(":", 1)
-    try:
-        only = {int(x) for x in seeds.split(",") if x.strip()}
-    except ValueError:
-        only = set()
-    if not only:
+    parts = [x.strip() for x in seeds.split(",") if x.strip()]
+    if not parts or not all(x.isdigit() for x in parts):
         raise SystemExit(f"--merge {item!r}: expected NAME or NAME:SEEDS with SEEDS a comma-separated list of integers")
-    return name, only
+    return name, {int(x) for x in parts}
+
+
+def _source_text(source: Dict[str, Any]) -> str:
+    """One merged-from entry of a report: the command, and the seeds taken where not all."""
+    seeds = "" if source["seeds"] is None else f" (seeds {', '.join(map(str, source['seeds']))})"
+    return f"`{source['command']}`{seeds}"
 
 
 def merge_records(items: Sequence[str]):
@@ -651,9 +654,7 @@ def merge_results(a, argv) -> int:
     settings = dict(first, name=a.name, methods=methods, seeds=seeds, merged_from=sources,
                     command=_command(argv))
     return write_report(a, settings, summary, records,
-                        "\nMerged from: " + "; ".join(f"`{s['command']}`" + ("" if s["seeds"] is None else
-                                                                   f" (seeds {', '.join(map(str, s['seeds']))})")
-                                                   for s in sources) + "\n")
+                        "\nMerged from: " + "; ".join(_source_text(s) for s in sources) + "\n")
 
 
 def change_table(base: Dict[str, Any], other: Dict[str, Any], method: str = "FedMITR") -> Dict[str, Any]:
