@@ -63,7 +63,7 @@ def test_config_rejects_unknown_keys_and_bad_values_by_name():
     cfg = FedMITRConfig.from_dict({"inversion_iters": 100, "prune_fractions": [0.1, 0.2, 0.35, 0.5]})
     assert cfg.prune_iterations() == [10, 20, 35, 50]
     assert FedMITRConfig(inversion_iters=4000).prune_iterations() == [50, 100, 200, 300]
-    assert FedMITRConfig().keep_counts(64)[-1] == 15  # about 24% of 64 tokens kept
+    assert FedMITRConfig().keep_counts(64) == [54, 46, 39, 33]  # 0.85 ** j: about half of 64 tokens kept
 
 
 def test_automatic_prune_schedule_fits_every_budget():
@@ -71,7 +71,7 @@ def test_automatic_prune_schedule_fits_every_budget():
     assert FedMITRConfig.from_dict({"inversion_iters": 40}).prune_iterations() == [4, 8, 14, 20]
     assert FedMITRConfig(inversion_iters=60).prune_iterations() == [6, 12, 21, 30]
     assert FedMITRConfig(inversion_iters=5).prune_iterations() == [1, 2]      # coinciding points merge
-    assert FedMITRConfig(inversion_iters=5).keep_counts(16) == [11, 8]
+    assert FedMITRConfig(inversion_iters=5).keep_counts(16) == [14, 12]
     assert FedMITRConfig(inversion_iters=4000).prune_iterations() == [50, 100, 200, 300]  # SMI's
     assert FedMITRConfig(inversion_iters=40, inversion="dense").prune_iterations() == []
     with pytest.raises(ConfigError, match="inversion_iters = 1 leaves no room to prune"):
