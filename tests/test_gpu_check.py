@@ -13,7 +13,10 @@ def test_gpu_check_dry_run_writes_its_two_results(tmp_path, tmp_home):
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     speed = json.loads((tmp_path / "results" / "gpu_check_dryrun_speed.json").read_text())
-    assert speed["device"] == "cpu" and speed["inversion"]["sparse_s"] > 0
+    assert speed["device"] == "cpu"
+    # one sparse timing per prune ratio: the config's default, then SMI's 0.3
+    assert [e["prune_ratio"] for e in speed["inversion"]] == [0.15, 0.3]
+    assert all(e["sparse_s"] > 0 and e["kept_tokens_final"] < e["tokens"] for e in speed["inversion"])
     assert [e["clients"] for e in speed["ensemble"]] == [2, 3]
     cell = json.loads((tmp_path / "results" / "gpu_check_dryrun_cell.json").read_text())
     assert cell["optimizer"] == "FedMITR" and 0.0 <= cell["test_acc"] <= 1.0
