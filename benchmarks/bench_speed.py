@@ -105,16 +105,17 @@ def main():
     sparse = []
     for ratio in args.prune_ratios:
         cfg = dense_cfg.replace(inversion="sparse", prune_ratio=ratio)
+        kept = cfg.keep_counts(n_tokens)
         t_sparse = time_inversion(ens, cfg, shape, args.batch, device, args.repeats)
         sparse.append({
-            "prune_ratio": ratio, "tokens": n_tokens, "kept_tokens": cfg.keep_counts(n_tokens),
-            "kept_tokens_final": cfg.keep_counts(n_tokens)[-1], "prune_at": cfg.prune_iterations(),
+            "prune_ratio": ratio, "tokens": n_tokens, "kept_tokens": kept,
+            "kept_tokens_final": kept[-1], "prune_at": cfg.prune_iterations(),
             "iters": args.iters, "batch": args.batch, "clients": args.clients, "dense_s": t_dense,
             "sparse_s": t_sparse, "dense_images_per_s": args.batch / t_dense,
             "sparse_images_per_s": args.batch / t_sparse, "sparse_over_dense": t_sparse / t_dense,
         })
         rows.append((f"inversion sparse {ratio:g}", f"{t_sparse:.2f} s", f"{args.batch / t_sparse:.1f} img/s",
-                     f"ratio {t_sparse / t_dense:.2f}, {n_tokens} -> {cfg.keep_counts(n_tokens)[-1]} tokens"))
+                     f"ratio {t_sparse / t_dense:.2f}, {n_tokens} -> {kept[-1]} tokens"))
 
     ensemble = []
     x = torch.randn(args.ensemble_batch, *shape, device=device)
