@@ -11,8 +11,10 @@ from fedml_fedmitr.core.partition import partition
 
 from helpers_core import digits, loader
 
-SERVER = dict(num_synthetic=300, synthesis_batch_size=100, inversion_iters=40, inversion_lr=0.1, tv_weight=0.003,
-              prune_fractions=[0.1, 0.2, 0.35, 0.5], distill_epochs=30, kd_temperature=4.0, relabel_weight=8.0)
+# Budgets trimmed for the suite's 15 minutes (2026-12-05): 15 client epochs (was 25), 200 images, 30 steps
+# and 20 epochs (were 300 / 40 / 30) take the module from about 88 s to about 50 s in CI.
+SERVER = dict(num_synthetic=200, synthesis_batch_size=100, inversion_iters=30, inversion_lr=0.1, tv_weight=0.003,
+              prune_fractions=[0.1, 0.2, 0.35, 0.5], distill_epochs=20, kd_temperature=4.0, relabel_weight=8.0)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def federation():
     for k, idx in enumerate(parts):
         torch.manual_seed(k)
         up = train_client(k, model_fn(), loader(xtr[idx], ytr[idx], 32, shuffle=True, seed=k),
-                          ClientTrainConfig(epochs=25, lr=2e-3, augment=False), "cpu", 10)
+                          ClientTrainConfig(epochs=15, lr=2e-3, augment=False), "cpu", 10)
         uploads.append(up)
         m = model_fn()
         m.load_state_dict(up.state_dict)
@@ -48,8 +50,8 @@ def test_fedmitr_on_digits_beats_chance_and_the_ensemble_beats_its_clients(feder
     result = get_method("FedMITR")(FedMITRConfig(**SERVER)).run(uploads, ctx)
     m = result.metrics
     assert m["ensemble_acc"] > sum(client_accs) / len(client_accs)
-    assert m["test_acc"] > 0.2           # chance is 0.1 (measured: 0.28 on this setting)
-    assert m["num_synthetic"] == 300
+    assert m["test_acc"] > 0.2           # chance is 0.1 (measured: 0.29 on this setting, one thread)
+    assert m["num_synthetic"] == 200
     assert m["timings"]["synthesis_s"] > 0 and m["timings"]["distill_s"] > 0
     assert len(m["per_class_acc"]) == 10
 
