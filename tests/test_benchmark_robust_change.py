@@ -93,3 +93,20 @@ def test_merge_joins_methods_takes_chosen_seeds_and_refuses_mixed_uploads(tmp_pa
     assert [s["seeds"] for s in sources] == [None, [2], [2]]
     with pytest.raises(SystemExit, match="--merge 'new:x': expected NAME or NAME:SEEDS"):
         robustness.merge_records(["new:x"])
+
+
+def test_pool_fit_probe_refuses_a_bad_variant_before_any_inversion(tmp_path, monkeypatch):
+    """benchmarks/pool_fit_probe.py: a variant's unknown key or bad value is named before clients load."""
+    import pool_fit_probe
+
+    from fedml_fedmitr.core.config import ConfigError
+
+    monkeypatch.setattr(pool_fit_probe.R, "RESULTS", tmp_path)
+    monkeypatch.setattr(pool_fit_probe, "probe", lambda *a: pytest.fail("probe ran on a bad variant"))
+    with pytest.raises(ConfigError, match="no_such_knob"):
+        pool_fit_probe.main(["--cells", "digits_K5_a0.5", "--variants", "default", "no_such_knob=1", "--name", "x"])
+    with pytest.raises(ConfigError, match="prune_ratio"):
+        pool_fit_probe.main(["--cells", "digits_K5_a0.5", "--variants", "prune_ratio=2,feature_weight=0", "--name", "x"])
+    assert pool_fit_probe.parse_variant("feature_weight=0,inversion_iters=240") == {"feature_weight": 0,
+                                                                                     "inversion_iters": 240}
+    assert pool_fit_probe.parse_variant("default") == {} and not list(tmp_path.iterdir())

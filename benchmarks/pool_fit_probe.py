@@ -1,0 +1,124 @@
+"""Which classes can the inversion reach? One synthesis batch per (cell, seed, variant), per-class fit.
+
+    python benchmarks/pool_fit_probe.py --cells cifar10_K10_a0.1_pre --seeds 0 2 --split val \\
+        --variants default feature_weight=0 feature_weight=0.01 inversion_iters=240 --name pool_fit_cifar
+
+A diagnostic for the robustness matrix's missing pool classes (#18): on the cell's cached client
+uploads (``benchmarks/robustness.py`` trains and caches them), it inverts the first synthesis batch
+of FedMITR's pool (``synthesis_batch_size`` images with balanced labels, batch index 0, the matrix's
+budget and ``FedMITRConfig``'s defaults, plus each variant's ``KEY=VALUE`` changes) and counts, per
+class, the images the ensemble assigns their synthesis label on the whole image. No distillation:
+seconds to a minute per variant on one core. Results: ``benchmarks/results/<name>.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (str(ROOT), str(ROOT / "benchmarks")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import robustness as R  # noqa: E402  (cells, budget, cached clients)
+
+
+def parse_variant(text: str) -> Dict[str, Any]:
+    """``default`` or ``k=v,k=v`` (values read as robustness.py's ``--set`` reads them)."""
+    if text == "default":
+        return {}
+    return R.parse_set(text.split(","))
+
+
+def probe(cell_name: str, seed: int, split: str, variants: List[str]) -> List[Dict[str, Any]]:
+    import torch
+
+    from fedml_fedmitr.core.config import FedMITRConfig
+    from fedml_fedmitr.core.ensemble import Ensemble
+    from fedml_fedmitr.core.inversion import SparseModelInversion, balanced_labels
+    from fedml_fedmitr.data import load_data
+    from fedml_fedmitr.fedml_adapter.config import client_train_config
+    from fedml_fedmitr.fedml_adapter.model import create_model
+
+    from fedbench.jobs import fill_feature_stats
+
+    device = torch.device("cpu")
+    args = R.cell_args(R.CELLS[cell_name], seed, split)
+    dataset, n = load_data(args)
+    info = args.fedmitr_data_info
+    uploads, init, _ = R._clients(cell_name, split, seed, args, dataset, n, device)
+    client_train = client_train_config(args)
+
+    def model_fn():
+        m = create_model(args, n)
+        m.load_state_dict(init)
+        return m
+
+    fill_feature_stats(uploads, model_fn, dataset[5], device)
+    rows = []
+    for text in variants:
+        cfg = FedMITRConfig.from_dict(dict(R.BUDGET, **parse_variant(text), progress=False, save_images=False),
+                                      where=f"--variants {text}")
+        ens = Ensemble.from_uploads(uploads, model_fn, n, cfg, device)
+        inv = SparseModelInversion(ens, cfg, info.input_shape, info.mean, info.std, device, None,
+                                   client_augment=client_train.augment, client_flip=client_train.flip)
+        labels = balanced_labels(cfg.synthesis_batch_size, n, 0)
+        t = time.perf_counter()
+        batch = inv.synthesize(labels, batch_index=0, seed=seed)
+        with torch.no_grad():
+            pred = ens(batch.images).argmax(1)
+        rows.append({"cell": cell_name, "seed": seed, "split": split, "variant": text,
+                     "fit": float((pred == labels).float().mean()),
+                     "fit_per_class": [int(((pred == labels) & (labels == c)).sum()) for c in range(n)],
+                     "images_per_class": [int((labels == c).sum()) for c in range(n)],
+                     "predicted_per_class": torch.bincount(pred, minlength=n).tolist(),
+                     "client_label_counts": info.client_label_counts, "seconds": time.perf_counter() - t})
+        r = rows[-1]
+        print(f"{cell_name} seed {seed} {text}: fit {100 * r['fit']:.0f}%, per class {r['fit_per_class']} "
+              f"of {r['images_per_class']}, predicted {r['predicted_per_class']} ({r['seconds']:.0f} s)", flush=True)
+    return rows
+
+
+def markdown(result: Dict[str, Any]) -> str:
+    lines = [f"# Pool fit probe ({result['name']})", "", f"Command: `{result['command']}`", "",
+             "One synthesis batch per row (batch index 0, balanced labels, the matrix's budget and the "
+             "defaults plus the variant); fit: images the ensemble assigns their synthesis label on the "
+             "whole image, per class.", "",
+             "| cell | split | seed | variant | fit (%) | fit per class | ensemble's predictions per class |",
+             "|---|---|---:|---|---:|---|---|"]
+    for r in result["rows"]:
+        per = " / ".join(f"{a}" for a in r["fit_per_class"])
+        lines.append(f"| {r['cell']} | {r['split']} | {r['seed']} | {r['variant']} | {100 * r['fit']:.0f} | "
+                     f"{per} (of {r['images_per_class'][0]}) | {' / '.join(map(str, r['predicted_per_class']))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cells", nargs="+", required=True, choices=list(R.CELLS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--split", choices=["val", "test"], default="val")
+    ap.add_argument("--variants", nargs="+", default=["default"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--name", required=True)
+    a = ap.parse_args(argv)
+    from fedml_fedmitr.core.config import FedMITRConfig
+    for text in a.variants:          # a bad key or value stops here, before any inversion
+        FedMITRConfig.from_dict(dict(R.BUDGET, **parse_variant(text)), where=f"--variants {text}")
+    import torch
+    torch.set_num_threads(a.threads)
+    rows = [r for cell in a.cells for seed in a.seeds for r in probe(cell, seed, a.split, a.variants)]
+    args_text = " ".join(sys.argv[1:] if argv is None else argv)
+    result = {"name": a.name, "command": f"python benchmarks/pool_fit_probe.py {args_text}", "rows": rows}
+    R.RESULTS.mkdir(parents=True, exist_ok=True)
+    (R.RESULTS / f"{a.name}.json").write_text(json.dumps(result, indent=1))
+    (R.RESULTS / f"{a.name}.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
