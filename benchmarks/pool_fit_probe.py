@@ -40,32 +40,18 @@ def probe(cell_name: str, seed: int, split: str, variants: List[str]) -> List[Di
     from fedml_fedmitr.core.config import FedMITRConfig
     from fedml_fedmitr.core.ensemble import Ensemble
     from fedml_fedmitr.core.inversion import SparseModelInversion, balanced_labels
-    from fedml_fedmitr.data import load_data
-    from fedml_fedmitr.fedml_adapter.config import client_train_config
-    from fedml_fedmitr.fedml_adapter.model import create_model
-
-    from fedbench.jobs import fill_feature_stats
 
     device = torch.device("cpu")
-    args = R.cell_args(R.CELLS[cell_name], seed, split)
-    dataset, n = load_data(args)
-    info = args.fedmitr_data_info
-    uploads, init, _ = R._clients(cell_name, split, seed, args, dataset, n, device)
-    client_train = client_train_config(args)
-
-    def model_fn():
-        m = create_model(args, n)
-        m.load_state_dict(init)
-        return m
-
-    fill_feature_stats(uploads, model_fn, dataset[5], device)
+    setup = R.cell_setup(cell_name, seed, split, device)
+    n, info, uploads, model_fn = setup.num_classes, setup.info, setup.uploads, setup.model_fn
     rows = []
     for text in variants:
         cfg = FedMITRConfig.from_dict(dict(R.BUDGET, **parse_variant(text), progress=False, save_images=False),
                                       where=f"--variants {text}")
         ens = Ensemble.from_uploads(uploads, model_fn, n, cfg, device)
         inv = SparseModelInversion(ens, cfg, info.input_shape, info.mean, info.std, device, None,
-                                   client_augment=client_train.augment, client_flip=client_train.flip)
+                                   client_augment=setup.client_train.augment,
+                                   client_flip=setup.client_train.flip)
         labels = balanced_labels(cfg.synthesis_batch_size, n, 0)
         t = time.perf_counter()
         batch = inv.synthesize(labels, batch_index=0, seed=seed)

@@ -306,6 +306,30 @@ def core_version() -> str:
     return h.hexdigest()[:12]
 
 
+def cell_setup(cell_name: str, seed: int, split: str, device) -> SimpleNamespace:
+    """One (cell, seed, split): its FedML-style args, data, client uploads (trained or cached, with
+    their feature statistics) and model factory; what every method of the cell runs on."""
+    from fedml_fedmitr.data import load_data
+    from fedml_fedmitr.fedml_adapter.config import client_train_config
+    from fedml_fedmitr.fedml_adapter.model import create_model
+
+    from fedbench.jobs import fill_feature_stats
+
+    args = cell_args(CELLS[cell_name], seed, split)
+    dataset, n = load_data(args)
+    uploads, init, train_s = _clients(cell_name, split, seed, args, dataset, n, device)
+
+    def model_fn():
+        m = create_model(args, n)
+        m.load_state_dict(init)
+        return m
+
+    fill_feature_stats(uploads, model_fn, dataset[5], device)   # uploads cached before clients sent them
+    return SimpleNamespace(args=args, dataset=dataset, num_classes=n, info=args.fedmitr_data_info,
+                           uploads=uploads, init=init, train_s=train_s, model_fn=model_fn,
+                           client_train=client_train_config(args))
+
+
 def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods: Sequence[str],
                   split: str = "test", cached_only: bool = False) -> Dict[str, Any]:
     """Clients, then every method on the same uploads; returns the record of (cell, seed)."""
@@ -315,28 +339,17 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
     from fedml_fedmitr.core.ensemble import Ensemble
     from fedml_fedmitr.core.evaluate import evaluate_model
     from fedml_fedmitr.core.methods import ServerContext, get_method
-    from fedml_fedmitr.data import load_data
     from fedml_fedmitr.fedml_adapter.model import create_model
 
-    from fedbench.jobs import fill_feature_stats
     from fedbench.references import CurveRecorder, attention_probe, probe_k, real_images, real_pool_method
 
     device = torch.device("cpu")
     cell = CELLS[cell_name]
-    args = cell_args(cell, seed, split)
-    dataset, n = load_data(args)
-    info = args.fedmitr_data_info
-    uploads, init, train_s = _clients(cell_name, split, seed, args, dataset, n, device)
+    setup = cell_setup(cell_name, seed, split, device)
+    args, dataset, n, info = setup.args, setup.dataset, setup.num_classes, setup.info
+    uploads, init, train_s, model_fn, client_train = (setup.uploads, setup.init, setup.train_s, setup.model_fn,
+                                                      setup.client_train)
     test = dataset[3]
-    from fedml_fedmitr.fedml_adapter.config import client_train_config
-    client_train = client_train_config(args)
-
-    def model_fn():
-        m = create_model(args, n)
-        m.load_state_dict(init)
-        return m
-
-    fill_feature_stats(uploads, model_fn, dataset[5], device)   # uploads cached before clients sent them
     client_acc = []
     for u in uploads:
         m = model_fn()
