@@ -34,10 +34,10 @@ def parse_variant(text: str) -> Dict[str, Any]:
     return R.parse_set(text.split(","))
 
 
-def probe(cell_name: str, seed: int, split: str, variants: List[str]) -> List[Dict[str, Any]]:
+def probe(cell_name: str, seed: int, split: str, variants: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One row per variant (its text -> its FedMITRConfig) on the cell's uploads for ``seed``."""
     import torch
 
-    from fedml_fedmitr.core.config import FedMITRConfig
     from fedml_fedmitr.core.ensemble import Ensemble
     from fedml_fedmitr.core.inversion import SparseModelInversion, balanced_labels
 
@@ -45,9 +45,7 @@ def probe(cell_name: str, seed: int, split: str, variants: List[str]) -> List[Di
     setup = R.cell_setup(cell_name, seed, split, device)
     n, info, uploads, model_fn = setup.num_classes, setup.info, setup.uploads, setup.model_fn
     rows = []
-    for text in variants:
-        cfg = FedMITRConfig.from_dict(dict(R.BUDGET, **parse_variant(text), progress=False, save_images=False),
-                                      where=f"--variants {text}")
+    for text, cfg in variants.items():
         ens = Ensemble.from_uploads(uploads, model_fn, n, cfg, device)
         inv = SparseModelInversion(ens, cfg, info.input_shape, info.mean, info.std, device, None,
                                    client_augment=setup.client_train.augment,
@@ -57,10 +55,11 @@ def probe(cell_name: str, seed: int, split: str, variants: List[str]) -> List[Di
         batch = inv.synthesize(labels, batch_index=0, seed=seed)
         with torch.no_grad():
             pred = ens(batch.images).argmax(1)
+        hit = pred == labels
         rows.append({"cell": cell_name, "seed": seed, "split": split, "variant": text,
-                     "fit": float((pred == labels).float().mean()),
-                     "fit_per_class": [int(((pred == labels) & (labels == c)).sum()) for c in range(n)],
-                     "images_per_class": [int((labels == c).sum()) for c in range(n)],
+                     "fit": float(hit.float().mean()),
+                     "fit_per_class": torch.bincount(labels[hit], minlength=n).tolist(),
+                     "images_per_class": torch.bincount(labels, minlength=n).tolist(),
                      "predicted_per_class": torch.bincount(pred, minlength=n).tolist(),
                      "client_label_counts": info.client_label_counts, "seconds": time.perf_counter() - t})
         r = rows[-1]
@@ -77,9 +76,11 @@ def markdown(result: Dict[str, Any]) -> str:
              "| cell | split | seed | variant | fit (%) | fit per class | ensemble's predictions per class |",
              "|---|---|---:|---|---:|---|---|"]
     for r in result["rows"]:
-        per = " / ".join(f"{a}" for a in r["fit_per_class"])
+        per = " / ".join(map(str, r["fit_per_class"]))
+        sizes = set(r["images_per_class"])
+        of = f"of {sizes.pop()}" if len(sizes) == 1 else "of " + " / ".join(map(str, r["images_per_class"]))
         lines.append(f"| {r['cell']} | {r['split']} | {r['seed']} | {r['variant']} | {100 * r['fit']:.0f} | "
-                     f"{per} (of {r['images_per_class'][0]}) | {' / '.join(map(str, r['predicted_per_class']))} |")
+                     f"{per} ({of}) | {' / '.join(map(str, r['predicted_per_class']))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -93,11 +94,12 @@ def main(argv=None) -> None:
     ap.add_argument("--name", required=True)
     a = ap.parse_args(argv)
     from fedml_fedmitr.core.config import FedMITRConfig
-    for text in a.variants:          # a bad key or value stops here, before any inversion
-        FedMITRConfig.from_dict(dict(R.BUDGET, **parse_variant(text)), where=f"--variants {text}")
+    # every variant's config, built once: a bad key or value stops here, before any client loads
+    configs = {text: FedMITRConfig.from_dict(dict(R.BUDGET, **parse_variant(text), progress=False, save_images=False),
+                                             where=f"--variants {text}") for text in a.variants}
     import torch
     torch.set_num_threads(a.threads)
-    rows = [r for cell in a.cells for seed in a.seeds for r in probe(cell, seed, a.split, a.variants)]
+    rows = [r for cell in a.cells for seed in a.seeds for r in probe(cell, seed, a.split, configs)]
     args_text = " ".join(sys.argv[1:] if argv is None else argv)
     result = {"name": a.name, "command": f"python benchmarks/pool_fit_probe.py {args_text}", "rows": rows}
     R.RESULTS.mkdir(parents=True, exist_ok=True)
