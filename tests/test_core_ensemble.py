@@ -69,10 +69,48 @@ def test_label_prior_calibration_stops_a_one_class_client_voting_for_it_everywhe
     # logits (K=2, B=1, C=3): client 0 says "class 0" loudly, client 1 says "class 1"
     logits = torch.tensor([[[5.0, 0.0, 0.0]], [[0.0, 3.0, 0.0]]])
     plain = Ensemble.__new__(Ensemble)
-    plain.weights, plain.aggregate, plain.offsets = torch.full((2, 3), 0.5), "mean", None
+    plain.weights, plain.aggregate, plain.offsets, plain.held = torch.full((2, 3), 0.5), "mean", None, None
     assert plain.combine(logits).argmax(1).item() == 0
     calibrated = Ensemble.__new__(Ensemble)
-    calibrated.weights, calibrated.aggregate, calibrated.offsets = torch.full((2, 3), 0.5), "mean", off
+    calibrated.weights, calibrated.aggregate, calibrated.offsets, calibrated.held = (
+        torch.full((2, 3), 0.5), "mean", off, None)
     assert calibrated.combine(logits).argmax(1).item() == 1
     assert torch.equal(calibrated.calibrated(logits), logits - off.unsqueeze(1))
     assert FedMITRConfig(ensemble_calibration="label_prior").validate().ensemble_calibration == "label_prior"
+
+
+def test_held_classes_calibration_gives_a_client_no_say_on_classes_it_never_saw():
+    """ensemble_calibration: held_classes turns each client's logits into log-probabilities over the
+    classes it trained on and averages each class over its holders only: a loud client that never saw
+    the image's class cannot outvote the one that did; gradients stay finite; subset() keeps the mask;
+    a robust aggregate is refused."""
+    import pytest
+    import torch
+
+    from fedml_fedmitr.core.config import ConfigError, FedMITRConfig
+    from fedml_fedmitr.core.ensemble import UNHELD_LOG_PROB, Ensemble, held_class_mask
+
+    counts = [[50, 50, 0, 0], [0, 0, 30, 0]]          # class 3 is held by nobody
+    held = held_class_mask(counts, 4)
+    assert held.tolist() == [[True, True, False, False], [False, False, True, False]]
+    # client 0 is sure of class 0 and shouts about class 2 (which it never saw); client 1 only knows class 2
+    logits = torch.tensor([[[4.0, 0.0, 9.0, 9.0]], [[1.0, 1.0, 2.0, 1.0]]], requires_grad=True)
+    plain = Ensemble.__new__(Ensemble)
+    plain.weights, plain.aggregate, plain.offsets, plain.held = torch.full((2, 4), 0.5), "mean", None, None
+    assert plain.combine(logits).argmax(1).item() == 2
+    ens = Ensemble.__new__(Ensemble)
+    ens.weights, ens.aggregate, ens.offsets, ens.held = torch.full((2, 4), 0.5), "mean", None, held
+    cal = ens.calibrated(logits)
+    assert torch.allclose(cal[0, 0, :2].exp().sum(), torch.tensor(1.0))
+    assert cal[0, 0, 2] == UNHELD_LOG_PROB and cal[1, 0, 2] == 0.0     # a lone held class: log 1
+    out = ens.combine(logits)
+    assert out[0, 3] == UNHELD_LOG_PROB and out[0, 2] == 0.0
+    assert torch.allclose(out[0, :2], cal[0, 0, :2])                   # classes 0-1 come from client 0 only
+    out[0, :3].sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 0, 2] == 0.0
+    with pytest.raises(ValueError, match="ensemble_aggregate"):
+        Ensemble([tiny_vit()], torch.ones(1, 10), aggregate="median", held=torch.ones(1, 10, dtype=torch.bool))
+    with pytest.raises(ConfigError, match="ensemble_aggregate"):
+        FedMITRConfig(ensemble_calibration="held_classes", ensemble_aggregate="median").validate()
+    with pytest.raises(ValueError, match="client\\(s\\) \\[1\\]"):
+        held_class_mask([[1, 0, 0, 0], [0, 0, 0, 0]], 4)

@@ -52,6 +52,8 @@ def teacher_words(server: Dict[str, Any]) -> str:
         words += f", combined by {server['ensemble_aggregate']}"
     if server["ensemble_calibration"] == "label_prior":
         words += ", each client's logits minus the log of its label prior"
+    if server["ensemble_calibration"] == "held_classes":
+        words += ", each client's log-probabilities over the classes it holds, each class over its holders"
     return words
 
 

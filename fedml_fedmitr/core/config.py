@@ -31,7 +31,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "student_init": ("fedavg", "scratch", "pretrained"),
     "ensemble_weighting": ("mean", "samples", "per_class"),
     "ensemble_aggregate": ("mean", "median", "trimmed_mean"),
-    "ensemble_calibration": ("none", "label_prior"),
+    "ensemble_calibration": ("none", "label_prior", "held_classes"),
     "ensemble_batched": ("auto", "vmap", "loop"),
     "distill_optimizer": ("adamw", "sgd"),
     "foreground_target": ("label", "ensemble"),
@@ -144,7 +144,9 @@ class FedMITRConfig:
     ensemble_aggregate: str = "mean"    # "mean", or the robust "median" / "trimmed_mean"
     ensemble_calibration: str = "none"  # "label_prior": each client's logits minus the log of its own label
                                         # distribution (add-one smoothed counts) before they are combined, so a
-                                        # client that saw one class stops voting for it on every image
+                                        # client that saw one class stops voting for it on every image;
+                                        # "held_classes": each client's log-probabilities over the classes it
+                                        # trained on, each class averaged over the clients that hold it
     trim_fraction: float = 0.2          # fraction trimmed at each end for "trimmed_mean"
     ensemble_batched: str = "auto"      # "vmap", "loop", or "auto" (vmap on GPU, loop on CPU)
     autocast: str = "auto"              # bf16 forward passes in inversion and distillation: "auto" (on CUDA
@@ -249,6 +251,9 @@ class FedMITRConfig:
             bad("prune_ratio", "a number in (0, 1)")
         if not (0.0 <= self.screening_min_ratio <= 1.0):
             bad("screening_min_ratio", "a fraction in [0, 1]")
+        if self.ensemble_calibration == "held_classes" and self.ensemble_aggregate != "mean":
+            bad("ensemble_aggregate", "mean with ensemble_calibration: held_classes (each class is averaged over "
+                "the clients that hold it)")
         if not (0.0 <= self.trim_fraction < 0.5):
             bad("trim_fraction", "a number in [0, 0.5)")
         b = self.inversion_betas

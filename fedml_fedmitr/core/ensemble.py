@@ -5,13 +5,17 @@ Weights ``alpha`` (K, C), each column summing to 1:
 Robust aggregates (``median``, ``trimmed_mean``) ignore the weights and reduce over clients per
 logit. With ``ensemble_calibration: label_prior`` each client's logits are first shifted by minus the
 log of its own (add-one smoothed) label distribution, a post-hoc logit adjustment: a client that
-trained on one class no longer votes for it on every image. All K forwards run in one batched call
+trained on one class no longer votes for it on every image. With ``ensemble_calibration: held_classes``
+each client's logits become log-probabilities over the classes it trained on (label count > 0) and
+each class is combined over the clients that hold it only (their weights renormalised): a client has
+no say on a class it never saw, and its confidence is comparable with the other clients'. All K forwards run in one batched call
 (``torch.func.stack_module_state`` + ``vmap``) or a plain loop; ``auto`` picks vmap on GPU and the loop on CPU, where torch has no vmap rule for its
 attention kernel and the loop measured faster (see ``benchmarks/bench_speed.py``).
 """
 from __future__ import annotations
 
 import copy
+import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -49,6 +53,22 @@ def label_prior_offsets(label_counts: Sequence[Sequence[int]], num_classes: int)
     return (counts / counts.sum(1, keepdim=True)).log()
 
 
+# the log-probability a client is given for a class it never trained on, and the ensemble for a class no
+# client holds: finite (so KL and softmax stay well defined), about one in a million
+UNHELD_LOG_PROB = math.log(1e-6)
+
+
+def held_class_mask(label_counts: Sequence[Sequence[int]], num_classes: int) -> torch.Tensor:
+    """(K, C) True where client k trained on class c (label count > 0)."""
+    counts = torch.tensor([[float(c) for c in row] for row in label_counts])
+    if counts.dim() != 2 or counts.shape[1] != num_classes:
+        raise ValueError(f"label_counts must have {num_classes} classes, got shape {tuple(counts.shape)}")
+    if not bool((counts > 0).any(1).all()):
+        raise ValueError("ensemble_calibration: held_classes needs every client's label counts, but client(s) "
+                         f"{[i for i, row in enumerate(counts) if not (row > 0).any()]} report none")
+    return counts > 0
+
+
 def same_architecture(models: Sequence[nn.Module]) -> bool:
     """True if every model has the parameters of the first, name by name and shape by shape."""
     first = {k: tuple(v.shape) for k, v in models[0].state_dict().items()}
@@ -64,7 +84,7 @@ class Ensemble:
                  trim_fraction: float = 0.2, batched: str = "auto", device=None,
                  offsets: Optional[torch.Tensor] = None,
                  feature_stats: Optional[List[Optional[torch.Tensor]]] = None,
-                 client_ids: Optional[List[int]] = None):
+                 client_ids: Optional[List[int]] = None, held: Optional[torch.Tensor] = None):
         if not models:
             raise ValueError("an ensemble needs at least one model")
         self.device = torch.device(device) if device is not None else next(models[0].parameters()).device
@@ -72,6 +92,13 @@ class Ensemble:
         self.weights = weights.to(self.device)
         # (K, C) subtracted from each client's logits before they are combined (None: no calibration)
         self.offsets = offsets.to(self.device) if offsets is not None else None
+        # (K, C) bool, the classes each client trained on (ensemble_calibration: held_classes; None: off)
+        self.held = held.to(self.device) if held is not None else None
+        if self.held is not None and self.offsets is not None:
+            raise ValueError("an ensemble takes one calibration: label prior offsets or held classes, not both")
+        if self.held is not None and aggregate != "mean":
+            raise ValueError(f"ensemble_calibration = 'held_classes' combines each class over the clients that "
+                             f"hold it; it needs ensemble_aggregate: mean, not {aggregate!r}")
         # per client, the (depth, 2, embed_dim) token moments it measured on its data (None: not uploaded);
         # read through checked_feature_stats()
         self.feature_stats = list(feature_stats) if feature_stats is not None else [None] * len(self.models)
@@ -104,8 +131,10 @@ class Ensemble:
                                  [u.label_counts for u in uploads], num_classes)
         offsets = (label_prior_offsets([u.label_counts for u in uploads], num_classes)
                    if cfg.ensemble_calibration == "label_prior" else None)
+        held = (held_class_mask([u.label_counts for u in uploads], num_classes)
+                if cfg.ensemble_calibration == "held_classes" else None)
         return cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device,
-                   offsets, [u.feature_stats for u in uploads], [int(u.client_id) for u in uploads])
+                   offsets, [u.feature_stats for u in uploads], [int(u.client_id) for u in uploads], held)
 
     def __len__(self) -> int:
         return len(self.models)
@@ -117,7 +146,8 @@ class Ensemble:
         w = w / w.sum(0, keepdim=True).clamp_min(1e-12)
         return Ensemble([self.models[i] for i in keep], w, self.aggregate, self.trim_fraction,
                         self.batched, self.device, None if self.offsets is None else self.offsets[keep],
-                        [self.feature_stats[i] for i in keep], [self.client_ids[i] for i in keep])
+                        [self.feature_stats[i] for i in keep], [self.client_ids[i] for i in keep],
+                        None if self.held is None else self.held[keep])
 
     def checked_feature_stats(self, what: str = "fedmitr_args.feature_weight > 0") -> List[torch.Tensor]:
         """Every client's feature statistics on the ensemble's device, checked against its model; a
@@ -166,7 +196,13 @@ class Ensemble:
         return tuple(stacked)
 
     def calibrated(self, logits: torch.Tensor) -> torch.Tensor:
-        """Per-client logits (K, B, C) with the calibration offsets applied (unchanged without them)."""
+        """Per-client logits (K, B, C), calibrated: minus the label prior offsets, or (held classes) each
+        client's log-probabilities over the classes it trained on, ``UNHELD_LOG_PROB`` elsewhere;
+        unchanged without a calibration."""
+        if self.held is not None:
+            held = self.held.unsqueeze(1)
+            logp = logits.float().masked_fill(~held, float("-inf")).log_softmax(-1)
+            return logp.masked_fill(~held, UNHELD_LOG_PROB)
         return logits if self.offsets is None else logits - self.offsets.unsqueeze(1)
 
     def calibrated_client_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,6 +213,11 @@ class Ensemble:
     def combine(self, logits: torch.Tensor) -> torch.Tensor:
         """Reduce per-client logits (K, B, C) to the ensemble's (B, C) (calibrated first, if set)."""
         logits = self.calibrated(logits)
+        if self.held is not None:   # each class over the clients that hold it, their weights renormalised
+            w = self.weights * self.held
+            total = w.sum(0)
+            mixed = (logits * (w / total.clamp_min(1e-12)).unsqueeze(1)).sum(0)
+            return mixed.masked_fill(total.unsqueeze(0) <= 0, UNHELD_LOG_PROB)
         if self.aggregate == "mean":
             return (logits * self.weights.unsqueeze(1)).sum(0)
         if self.aggregate == "median":
