@@ -110,3 +110,30 @@ def test_pool_fit_probe_refuses_a_bad_variant_before_any_inversion(tmp_path, mon
     assert pool_fit_probe.parse_variant("feature_weight=0,inversion_iters=240") == {"feature_weight": 0,
                                                                                      "inversion_iters": 240}
     assert pool_fit_probe.parse_variant("default") == {} and not list(tmp_path.iterdir())
+
+
+def test_teacher_probe_refuses_a_bad_variant_and_pairs_changes_by_seed(tmp_path, monkeypatch):
+    """benchmarks/teacher_probe.py: a bad ensemble setting is named before clients load; each variant's
+    change from the first is paired by (cell, seed)."""
+    import teacher_probe
+
+    from fedml_fedmitr.core.config import ConfigError
+
+    monkeypatch.setattr(teacher_probe.R, "RESULTS", tmp_path)
+    monkeypatch.setattr(teacher_probe, "probe", lambda *a: pytest.fail("probe ran on a bad variant"))
+    with pytest.raises(ConfigError, match="ensemble_calibration"):
+        teacher_probe.main(["--cells", "digits_K5_a0.5", "--variants", "default", "ensemble_calibration=nope",
+                            "--name", "x"])
+    with pytest.raises(ConfigError, match="ensemble_aggregate"):
+        teacher_probe.main(["--cells", "digits_K5_a0.5", "--variants",
+                            "ensemble_calibration=held_classes,ensemble_aggregate=median", "--name", "x"])
+    assert not list(tmp_path.iterdir())
+    rows = [{"cell": c, "seed": s, "variant": v, "acc": a} for c, s, v, a in [
+        ("a", 0, "default", 0.5), ("a", 1, "default", 0.6), ("a", 0, "w", 0.7), ("a", 1, "w", 0.7),
+        ("b", 0, "default", 0.2), ("b", 0, "w", 0.1)]]
+    s = teacher_probe.summary(rows, ["default", "w"])
+    assert s["cells"]["a"]["w"]["change"]["per_seed"] == pytest.approx([20.0, 10.0])
+    assert s["cells"]["b"]["w"]["mean"] == pytest.approx(0.1)
+    assert s["overall"]["w"]["per_seed"] == pytest.approx([20.0, 10.0, -10.0])
+    assert "all pairs" in teacher_probe.markdown({"name": "x", "command": "c", "variants": ["default", "w"],
+                                                  "summary": s})
