@@ -355,7 +355,9 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
         m = model_fn()
         m.load_state_dict(u.state_dict)
         client_acc.append(evaluate_model(m, test, device, n)["acc"])
-    ens = Ensemble.from_uploads(uploads, model_fn, n, FedMITRConfig(), device)
+    # the reference ensemble: the plain mean of the client logits (not the defaults' teacher)
+    ens = Ensemble.from_uploads(uploads, model_fn, n, FedMITRConfig(ensemble_weighting="mean", ensemble_calibration="none"),
+                                device)
     ens_pred, y_test = _predictions(ens, test, device)
     ens_correct = sorted(set(int(c) for c in ens_pred[ens_pred == y_test].tolist()))
     record: Dict[str, Any] = {
@@ -402,7 +404,7 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
         m = result.metrics
         pred, _ = _predictions(result.model, test, device)
         covered = sorted(set(int(c) for c in pred.tolist()))
-        # the method's own teacher (its ensemble_weighting), and the classes it gets right at least once
+        # the method's own teacher (its ensemble settings), and the classes it gets right at least once
         teacher = Ensemble.from_uploads(uploads, model_fn, n, method.config, device)
         t_pred, _ = _predictions(teacher, test, device)
         teacher_correct = sorted(set(int(c) for c in t_pred[t_pred == y_test].tolist()))
@@ -499,7 +501,7 @@ def markdown(summary: Dict[str, Any], settings: Dict[str, Any]) -> str:
              f"evaluated on the {'validation split' if settings['split'] == 'val' else 'test set'}.",
              "Accuracies in %, mean over seeds (per seed after it). Start = one-shot FedAvg of the same uploads "
              "(FedMITR's student initialisation).", "",
-             "Ensemble: the mean of the client logits; teacher: FedMITR's own ensemble (its `ensemble_weighting`), "
+             "Ensemble: the mean of the client logits; teacher: FedMITR's own ensemble (its `ensemble_weighting` and `ensemble_calibration`), "
              "the one the conditions compare with. Collapsed: the global model never predicts a class the "
              "teacher gets right at least once.", "",
              "| cell | seeds | ensemble | teacher | " + " | ".join(methods) + " | FedMITR / teacher | >= start | no collapse | all |",

@@ -356,10 +356,13 @@ def test_the_speed_probe_times_the_model_and_leaves_the_random_stream_alone():
 def test_the_table_names_the_teacher_the_server_settings_chose():
     load_compare()   # puts benchmarks/ on the path
     from fedbench.report import teacher_words
-    assert teacher_words({}) == "mean of the client logits"
+    assert teacher_words({"ensemble_weighting": "mean", "ensemble_calibration": "none"}) == "mean of the client logits"
+    default = teacher_words({})          # per_class weights, calibration auto -> held_classes
+    assert "per class" in default and "classes it holds" in default
     calibrated = teacher_words({"ensemble_calibration": "label_prior", "ensemble_weighting": "per_class"})
     assert "per class" in calibrated and "label prior" in calibrated
-    assert "median" in teacher_words({"ensemble_aggregate": "median"})
+    robust = teacher_words({"ensemble_aggregate": "median"})     # auto resolves to no calibration
+    assert "median" in robust and "classes it holds" not in robust
 
 
 def test_a_method_set_knob_is_that_methods_alone(tmp_path):

@@ -112,5 +112,8 @@ def test_held_classes_calibration_gives_a_client_no_say_on_classes_it_never_saw(
         Ensemble([tiny_vit()], torch.ones(1, 10), aggregate="median", held=torch.ones(1, 10, dtype=torch.bool))
     with pytest.raises(ConfigError, match="ensemble_aggregate"):
         FedMITRConfig(ensemble_calibration="held_classes", ensemble_aggregate="median").validate()
+    assert FedMITRConfig().calibration() == "held_classes"                       # the default: auto
+    assert FedMITRConfig(ensemble_aggregate="median").calibration() == "none"
+    assert FedMITRConfig(ensemble_calibration="label_prior").calibration() == "label_prior"
     with pytest.raises(ValueError, match="client\\(s\\) \\[1\\]"):
         held_class_mask([[1, 0, 0, 0], [0, 0, 0, 0]], 4)

@@ -45,14 +45,16 @@ def teacher_words(server: Dict[str, Any]) -> str:
     """The teacher every method distils, from the server settings (the code's defaults where unset)."""
     from fedml_fedmitr.core.config import FedMITRConfig
     server = {**FedMITRConfig().to_dict(), **server}
+    calibration = FedMITRConfig(ensemble_aggregate=server["ensemble_aggregate"],
+                                ensemble_calibration=server["ensemble_calibration"]).calibration()
     weighting = server["ensemble_weighting"]
     words = {"mean": "mean of the client logits", "samples": "client logits weighted by sample count",
              "per_class": "client logits weighted per class by label counts"}.get(weighting, weighting)
     if server["ensemble_aggregate"] != "mean":
         words += f", combined by {server['ensemble_aggregate']}"
-    if server["ensemble_calibration"] == "label_prior":
+    if calibration == "label_prior":
         words += ", each client's logits minus the log of its label prior"
-    if server["ensemble_calibration"] == "held_classes":
+    if calibration == "held_classes":
         words += ", each client's log-probabilities over the classes it holds, each class over its holders"
     return words
 

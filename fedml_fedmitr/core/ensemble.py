@@ -130,9 +130,9 @@ class Ensemble:
         weights = client_weights(cfg.ensemble_weighting, [u.num_samples for u in uploads],
                                  [u.label_counts for u in uploads], num_classes)
         offsets = (label_prior_offsets([u.label_counts for u in uploads], num_classes)
-                   if cfg.ensemble_calibration == "label_prior" else None)
+                   if cfg.calibration() == "label_prior" else None)
         held = (held_class_mask([u.label_counts for u in uploads], num_classes)
-                if cfg.ensemble_calibration == "held_classes" else None)
+                if cfg.calibration() == "held_classes" else None)
         return cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device,
                    offsets, [u.feature_stats for u in uploads], [int(u.client_id) for u in uploads], held)
 
