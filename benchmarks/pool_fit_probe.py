@@ -68,6 +68,33 @@ def probe(cell_name: str, seed: int, split: str, variants: Dict[str, Any]) -> Li
     return rows
 
 
+def variant_configs(variants: List[str]) -> Dict[str, Any]:
+    """Every variant's FedMITRConfig (the matrix's budget, the defaults, the variant's changes), built
+    once: a bad key or value stops here, before any client loads."""
+    from fedml_fedmitr.core.config import FedMITRConfig
+    return {text: FedMITRConfig.from_dict(dict(R.BUDGET, **parse_variant(text), progress=False, save_images=False),
+                                          where=f"--variants {text}") for text in variants}
+
+
+def run_rows(fn, a, configs: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """``fn(cell, seed, split, configs)``'s rows for every cell and seed of the parsed arguments ``a``."""
+    import torch
+    torch.set_num_threads(a.threads)
+    return [r for cell in a.cells for seed in a.seeds for r in fn(cell, seed, a.split, configs)]
+
+
+def command(script: str, argv) -> str:
+    return f"python benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
+def write_result(result: Dict[str, Any], text: str) -> None:
+    """``benchmarks/results/<name>.{json,md}``; the markdown is printed too."""
+    R.RESULTS.mkdir(parents=True, exist_ok=True)
+    (R.RESULTS / f"{result['name']}.json").write_text(json.dumps(result, indent=1))
+    (R.RESULTS / f"{result['name']}.md").write_text(text)
+    print(text)
+
+
 def markdown(result: Dict[str, Any]) -> str:
     lines = [f"# Pool fit probe ({result['name']})", "", f"Command: `{result['command']}`", "",
              "One synthesis batch per row (batch index 0, balanced labels, the matrix's budget and the "
@@ -84,28 +111,27 @@ def markdown(result: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cells", nargs="+", required=True, choices=list(R.CELLS))
+def probe_parser(doc: str, all_cells_by_default: bool = False) -> argparse.ArgumentParser:
+    """The probes' shared arguments: cells, seeds, split, variants, threads, name."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if all_cells_by_default:
+        ap.add_argument("--cells", nargs="+", default=list(R.MATRIX), choices=list(R.CELLS))
+    else:
+        ap.add_argument("--cells", nargs="+", required=True, choices=list(R.CELLS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--split", choices=["val", "test"], default="val")
     ap.add_argument("--variants", nargs="+", default=["default"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--name", required=True)
-    a = ap.parse_args(argv)
-    from fedml_fedmitr.core.config import FedMITRConfig
-    # every variant's config, built once: a bad key or value stops here, before any client loads
-    configs = {text: FedMITRConfig.from_dict(dict(R.BUDGET, **parse_variant(text), progress=False, save_images=False),
-                                             where=f"--variants {text}") for text in a.variants}
-    import torch
-    torch.set_num_threads(a.threads)
-    rows = [r for cell in a.cells for seed in a.seeds for r in probe(cell, seed, a.split, configs)]
-    args_text = " ".join(sys.argv[1:] if argv is None else argv)
-    result = {"name": a.name, "command": f"python benchmarks/pool_fit_probe.py {args_text}", "rows": rows}
-    R.RESULTS.mkdir(parents=True, exist_ok=True)
-    (R.RESULTS / f"{a.name}.json").write_text(json.dumps(result, indent=1))
-    (R.RESULTS / f"{a.name}.md").write_text(markdown(result))
-    print(markdown(result))
+    return ap
+
+
+def main(argv=None) -> None:
+    a = probe_parser(__doc__).parse_args(argv)
+    configs = variant_configs(a.variants)
+    rows = run_rows(probe, a, configs)
+    result = {"name": a.name, "command": command("pool_fit_probe.py", argv), "rows": rows}
+    write_result(result, markdown(result))
 
 
 if __name__ == "__main__":

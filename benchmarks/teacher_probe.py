@@ -14,8 +14,6 @@ first, paired by (cell, seed), per cell and over all pairs. Results:
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -26,7 +24,7 @@ for _p in (str(ROOT), str(ROOT / "benchmarks")):
         sys.path.insert(0, _p)
 
 import robustness as R  # noqa: E402  (cells, budget, cached clients)
-from pool_fit_probe import parse_variant  # noqa: E402
+from pool_fit_probe import command, probe_parser, run_rows, variant_configs, write_result  # noqa: E402
 
 from fedbench.stats import fmt_paired, paired  # noqa: E402
 
@@ -82,28 +80,12 @@ def markdown(result: Dict[str, Any]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cells", nargs="+", default=list(R.MATRIX), choices=list(R.CELLS))
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
-    ap.add_argument("--split", choices=["val", "test"], default="val")
-    ap.add_argument("--variants", nargs="+", default=["default"])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--name", required=True)
-    a = ap.parse_args(argv)
-    from fedml_fedmitr.core.config import FedMITRConfig
-    # every variant's config, built once: a bad key or value stops here, before any client loads
-    configs = {text: FedMITRConfig.from_dict(dict(R.BUDGET, **parse_variant(text)), where=f"--variants {text}")
-               for text in a.variants}
-    import torch
-    torch.set_num_threads(a.threads)
-    rows = [r for cell in a.cells for seed in a.seeds for r in probe(cell, seed, a.split, configs)]
-    args_text = " ".join(sys.argv[1:] if argv is None else argv)
-    result = {"name": a.name, "command": f"python benchmarks/teacher_probe.py {args_text}", "split": a.split,
+    a = probe_parser(__doc__, all_cells_by_default=True).parse_args(argv)
+    configs = variant_configs(a.variants)
+    rows = run_rows(probe, a, configs)
+    result = {"name": a.name, "command": command("teacher_probe.py", argv), "split": a.split,
               "variants": a.variants, "rows": rows, "summary": summary(rows, a.variants)}
-    R.RESULTS.mkdir(parents=True, exist_ok=True)
-    (R.RESULTS / f"{a.name}.json").write_text(json.dumps(result, indent=1))
-    (R.RESULTS / f"{a.name}.md").write_text(markdown(result))
-    print(markdown(result))
+    write_result(result, markdown(result))
 
 
 if __name__ == "__main__":
