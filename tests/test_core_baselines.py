@@ -296,7 +296,8 @@ def test_dense_pool_grows_every_epoch_and_kd_steps_are_configurable():
 
 
 def test_coboosting_client_weights_stay_in_unit_range_and_move():
-    method, _ = run_method("CoBoosting", gen_epochs=4, coboost_mu=0.05)
+    # the weights start from the ensemble's, averaged over classes: 1/K with ensemble_weighting: mean
+    method, _ = run_method("CoBoosting", gen_epochs=4, coboost_mu=0.05, ensemble_weighting="mean")
     history = torch.stack(method.weight_history)
     assert history.shape == (4, 3)                        # initial + one update per epoch after the first
     assert float(history.min()) >= 0.0 and float(history.max()) <= 1.0
