@@ -341,6 +341,7 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
     from fedml_fedmitr.core.methods import ServerContext, get_method
     from fedml_fedmitr.fedml_adapter.model import create_model
 
+    from fedbench.jobs import MEAN_ENSEMBLE
     from fedbench.references import CurveRecorder, attention_probe, probe_k, real_images, real_pool_method
 
     device = torch.device("cpu")
@@ -355,9 +356,7 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
         m = model_fn()
         m.load_state_dict(u.state_dict)
         client_acc.append(evaluate_model(m, test, device, n)["acc"])
-    # the reference ensemble: the plain mean of the client logits (not the defaults' teacher)
-    ens = Ensemble.from_uploads(uploads, model_fn, n, FedMITRConfig(ensemble_weighting="mean", ensemble_calibration="none"),
-                                device)
+    ens = Ensemble.from_uploads(uploads, model_fn, n, FedMITRConfig(**MEAN_ENSEMBLE), device)
     ens_pred, y_test = _predictions(ens, test, device)
     ens_correct = sorted(set(int(c) for c in ens_pred[ens_pred == y_test].tolist()))
     record: Dict[str, Any] = {

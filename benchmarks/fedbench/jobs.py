@@ -16,6 +16,8 @@ from .settings import REAL_REFERENCES
 from .store import write_json_atomic
 from .tasks import load_public, load_task
 
+# the benchmarks' reference ensemble: the plain mean of the client logits (not the defaults' teacher)
+MEAN_ENSEMBLE = {"ensemble_weighting": "mean", "ensemble_calibration": "none"}
 
 def _peak_rss_mb() -> float:
     import resource
@@ -170,9 +172,7 @@ def job_clients(job: Dict[str, Any], device) -> Dict[str, Any]:
         uploads.append(up)
         print(f"client {k}: {up.num_samples} samples, labels {up.label_counts}, test acc {accs[-1]:.3f}, "
               f"{times[-1]:.0f} s", flush=True)
-    # the reference ensemble: the plain mean of the client logits (not the defaults' teacher)
-    ens = Ensemble.from_uploads(uploads, model_fn, n, FedMITRConfig(ensemble_weighting="mean", ensemble_calibration="none"),
-                                device)
+    ens = Ensemble.from_uploads(uploads, model_fn, n, FedMITRConfig(**MEAN_ENSEMBLE), device)
     ens_acc = evaluate_ensemble(ens, test, device, n)["acc"]
     path = Path(job["checkpoint"])
     path.parent.mkdir(parents=True, exist_ok=True)

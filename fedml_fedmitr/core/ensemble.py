@@ -26,6 +26,11 @@ from .config import FedMITRConfig
 from .models import TokenSubsetViT, check_feature_stats, check_finite, check_vit, load_state_checked
 
 
+def _count_matrix(label_counts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The clients' label counts as a float (K, C) tensor."""
+    return torch.tensor([[float(c) for c in row] for row in label_counts])
+
+
 def client_weights(mode: str, num_samples: Sequence[int], label_counts: Sequence[Sequence[int]],
                    num_classes: int) -> torch.Tensor:
     """The (K, C) ensemble weights; every column sums to 1."""
@@ -36,7 +41,7 @@ def client_weights(mode: str, num_samples: Sequence[int], label_counts: Sequence
         n = torch.tensor([float(v) for v in num_samples])
         return (n / n.sum()).unsqueeze(1).expand(k, num_classes).clone()
     if mode == "per_class":
-        counts = torch.tensor([[float(c) for c in row] for row in label_counts])
+        counts = _count_matrix(label_counts)
         if counts.shape != (k, num_classes):
             raise ValueError(f"label_counts must be {k} x {num_classes}, got {tuple(counts.shape)}")
         totals = counts.sum(0, keepdim=True)
@@ -47,7 +52,7 @@ def client_weights(mode: str, num_samples: Sequence[int], label_counts: Sequence
 
 def label_prior_offsets(label_counts: Sequence[Sequence[int]], num_classes: int) -> torch.Tensor:
     """(K, C) log label priors of the clients, add-one smoothed: subtracted from each client's logits."""
-    counts = torch.tensor([[float(c) for c in row] for row in label_counts]) + 1.0
+    counts = _count_matrix(label_counts) + 1.0
     if counts.shape[1] != num_classes:
         raise ValueError(f"label_counts must have {num_classes} classes, got {counts.shape[1]}")
     return (counts / counts.sum(1, keepdim=True)).log()
@@ -60,7 +65,7 @@ UNHELD_LOG_PROB = math.log(1e-6)
 
 def held_class_mask(label_counts: Sequence[Sequence[int]], num_classes: int) -> torch.Tensor:
     """(K, C) True where client k trained on class c (label count > 0)."""
-    counts = torch.tensor([[float(c) for c in row] for row in label_counts])
+    counts = _count_matrix(label_counts)
     if counts.dim() != 2 or counts.shape[1] != num_classes:
         raise ValueError(f"label_counts must have {num_classes} classes, got shape {tuple(counts.shape)}")
     if not bool((counts > 0).any(1).all()):
@@ -129,10 +134,9 @@ class Ensemble:
             models.append(load_state_checked(fresh, u.state_dict, f"client {u.client_id}'s uploaded model"))
         weights = client_weights(cfg.ensemble_weighting, [u.num_samples for u in uploads],
                                  [u.label_counts for u in uploads], num_classes)
-        offsets = (label_prior_offsets([u.label_counts for u in uploads], num_classes)
-                   if cfg.calibration() == "label_prior" else None)
-        held = (held_class_mask([u.label_counts for u in uploads], num_classes)
-                if cfg.calibration() == "held_classes" else None)
+        counts, calibration = [u.label_counts for u in uploads], cfg.calibration()
+        offsets = label_prior_offsets(counts, num_classes) if calibration == "label_prior" else None
+        held = held_class_mask(counts, num_classes) if calibration == "held_classes" else None
         return cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device,
                    offsets, [u.feature_stats for u in uploads], [int(u.client_id) for u in uploads], held)
 
