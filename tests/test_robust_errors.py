@@ -119,8 +119,9 @@ def test_server_only_user_errors(tmp_path, tmp_home, capfd):
                        ["no saved client uploads", str(tmp_path / "out" / "state" / "uploads.pt")])
 
 
-def _crafted_uploads(path, args_cfg, bad_client=None, bad="shape"):
-    """Uploads of 2 clients of the tiny config's model; client ``bad_client`` is of another architecture."""
+def _crafted_uploads(path, args_cfg, bad_client=None, bad="shape", label_counts=None):
+    """Uploads of 2 clients of the tiny config's model; client ``bad_client`` is of another architecture;
+    ``label_counts`` (one row per client) replaces the default of 10 images of every class."""
     from types import SimpleNamespace
 
     import torch
@@ -143,9 +144,32 @@ def _crafted_uploads(path, args_cfg, bad_client=None, bad="shape"):
         # feature statistics of the right shape (blocks, mean and variance, embed_dim), as clients send
         stats = torch.stack([torch.zeros(len(model.blocks), model.embed_dim),
                              torch.ones(len(model.blocks), model.embed_dim)], dim=1)
-        payloads.append({"client_id": cid, "state_dict": state, "num_samples": 100, "label_counts": [10] * classes,
+        payloads.append({"client_id": cid, "state_dict": state, "num_samples": 100,
+                         "label_counts": label_counts[cid] if label_counts else [10] * classes,
                          "train_s": 0.0, "feature_stats": stats})
     save_uploads(path, payloads, expected_clients=2)
+
+
+def test_single_class_clients_are_named_in_a_warning(tmp_path, tmp_home, procs):
+    """Clients that each trained on one class carry nothing that tells the classes apart: the server says
+    so, naming each client and its class, and still runs; clients of two classes get no such warning."""
+    from types import SimpleNamespace
+
+    from fedml_fedmitr.fedml_adapter.checks import single_class_warning
+
+    cfg_dict = tiny_config(tmp_path / "out")
+    cfg = write_yaml(tmp_path / "c.yaml", cfg_dict)
+    uploads = tmp_path / "uploads.pt"
+    one_class = [[0, 0, 0, 10, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 10, 0, 0]]
+    _crafted_uploads(uploads, cfg_dict, label_counts=one_class)
+    p = procs.start([PYTHON, "-m", "fedml_fedmitr.server_only", "--cf", cfg, "--uploads", uploads],
+                    child_env(tmp_home))
+    assert p.wait(timeout=180) == 0, p.output()[-4000:]
+    warned = [line for line in p.output().splitlines() if "every client trained on one class only" in line]
+    assert len(warned) == 1, p.output()[-4000:]
+    assert "client 0: class 3, client 1: class 7" in warned[0] and "classes_per_client" in warned[0]
+    two_classes = [SimpleNamespace(client_id=0, label_counts=[5, 5, 0]), SimpleNamespace(client_id=1, label_counts=[0, 0, 9])]
+    assert single_class_warning(two_classes) is None
 
 
 def test_upload_of_another_architecture_names_the_client(tmp_path, tmp_home, procs):

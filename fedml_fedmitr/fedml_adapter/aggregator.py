@@ -31,7 +31,7 @@ from ..core.models import ModelError, load_state_checked
 from ..core.report import ReportCallbacks
 from ..core.server import RunInfo, run_one_shot
 from . import state as saved_state
-from .checks import check_upload
+from .checks import check_upload, single_class_warning
 from .errors import ClientFailure, UserError, one_line
 from .model import client_models, create_model, input_shape_of, is_pretrained, model_meta
 from .tracking import fedml_sink
@@ -256,6 +256,9 @@ class FedMITRServerAggregator(ServerAggregator):
             log.warning("server: %d client uploads, client_num_in_total is %d", len(uploads), expected)
         log.info("server: %d client uploads (clients %s); running %s", len(uploads),
                  [u.client_id for u in uploads], self.method_name)
+        warning = single_class_warning(uploads)
+        if warning:
+            log.warning("server: %s", warning)
         os.makedirs(self.fedmitr_config.output_dir, exist_ok=True)
         self.save_received()  # before the long work: a killed server resumes from them, no client needed
         ctx = self.context()
