@@ -342,3 +342,45 @@ def test_weight_average_is_the_ema_of_the_steps_and_resumes_bit_identically():
         assert torch.equal(a, b), k
     with pytest.raises(ConfigError, match="distill_ema_epochs"):
         FedMITRConfig(distill_ema_epochs=-1).validate()
+
+
+class _FixedTeacher:
+    """An 'ensemble' that returns given logits for a pool of the same size (what pool_kd_temperature reads)."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def __call__(self, x, keep_idx=None):
+        return self.logits[:x.shape[0]]
+
+
+def test_kd_target_confidence_sharpens_only_a_flat_teacher():
+    from fedml_fedmitr.core.distill import KD_MIN_TEMPERATURE, pool_kd_temperature
+    images = torch.zeros(6, 1, 4, 4)
+
+    def confidence(logits, t):
+        return float((logits / t).softmax(1).max(1).values.mean())
+
+    # five disjoint holders of two classes each: every client's top class gets log 0.9, its other
+    # class log 0.1, so no class gets more than 0.9 / 5 of the teacher's mass at T = 1
+    flat = torch.log(torch.tensor([[0.9, 0.1] * 5] * 6))
+    flat[:, 0] += 0.2                       # the holder of class 0 is a little surer: the teacher's argmax
+    assert confidence(flat, 1.0) < 0.25
+    off = FedMITRConfig()
+    assert pool_kd_temperature(_FixedTeacher(flat), images, off, "cpu") == off.kd_temperature   # 0: off
+    cfg = FedMITRConfig(kd_target_confidence=0.5)
+    t = pool_kd_temperature(_FixedTeacher(flat), images, cfg, "cpu")
+    assert KD_MIN_TEMPERATURE < t < 1.0
+    assert confidence(flat, t) >= 0.5 > confidence(flat, t * 1.01)   # the highest T that reaches the target
+    # a confident teacher keeps kd_temperature; a teacher that ties every class gets the floor
+    sure = torch.zeros(6, 10)
+    sure[:, 3] = 8.0
+    assert pool_kd_temperature(_FixedTeacher(sure), images, cfg, "cpu") == 1.0
+    assert pool_kd_temperature(_FixedTeacher(torch.zeros(6, 10)), images, cfg, "cpu") == KD_MIN_TEMPERATURE
+    for bad in (1.0, -0.1):
+        try:
+            FedMITRConfig(kd_target_confidence=bad)
+        except ValueError as e:
+            assert "kd_target_confidence" in str(e) and "[0, 1)" in str(e)
+        else:
+            raise AssertionError(f"kd_target_confidence = {bad} was accepted")

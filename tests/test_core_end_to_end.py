@@ -72,3 +72,17 @@ def test_fedavg_baseline_returns_the_weighted_average(federation):
     expected = sum(w * u.state_dict[key] for w, u in zip(n / n.sum(), uploads))
     torch.testing.assert_close(model.state_dict()[key], expected)
 
+
+
+def test_kd_target_confidence_sets_fedmitrs_temperature_and_not_deepinversions(federation):
+    """FedMITR distils at the lowered temperature and reports it; DeepInversion keeps its own T."""
+    uploads, _, ctx = federation
+    small = {**SERVER, "num_synthetic": 40, "synthesis_batch_size": 20, "distill_epochs": 1}
+    plain = get_method("FedMITR")(FedMITRConfig(**small)).run(uploads, ctx)
+    assert plain.metrics["kd_temperature"] == SERVER["kd_temperature"]
+    sharp = get_method("FedMITR")(FedMITRConfig(**small, kd_target_confidence=0.99)).run(uploads, ctx)
+    assert sharp.metrics["kd_temperature"] < SERVER["kd_temperature"]
+    assert not all(torch.equal(a, b) for a, b in zip(plain.model.state_dict().values(),
+                                                     sharp.model.state_dict().values()))
+    di = get_method("DeepInversion")(FedMITRConfig(**small, kd_target_confidence=0.99)).run(uploads, ctx)
+    assert di.metrics["kd_temperature"] == FedMITRConfig().baseline_kd_temperature

@@ -117,6 +117,12 @@ class FedMITRConfig:
                                         # the average is what is evaluated and returned (timm's ModelEmaV3)
     relabel_weight: float = 1.0         # lambda of the background KL term [choice]
     kd_temperature: float = 1.0         # T of the background KL (and of kd_full) [choice]
+    kd_target_confidence: float = 0.0   # > 0: before distillation, T is lowered below kd_temperature (never
+                                        # raised) until the ensemble's mean top-class probability on the pool's
+                                        # full images reaches this value (see distill.pool_kd_temperature);
+                                        # a teacher whose soft labels are nearly flat (clients that each hold
+                                        # a few classes of their own: no class above 1/K) is sharpened, a
+                                        # confident one is left alone. 0: off
     distill_augment: bool = True        # flip and whole-patch shift of image and mask together
     student_init: str = "fedavg"        # "fedavg" of the clients, "scratch", or "pretrained"
     foreground_target: str = "ensemble"  # foreground term: "ensemble" (KL to the ensemble on the same kept
@@ -252,6 +258,8 @@ class FedMITRConfig:
                 bad(key, "a finite number >= 0")
         if self.distill_warmup_epochs and self.distill_warmup_epochs >= self.distill_epochs:
             bad("distill_warmup_epochs", f"fewer epochs than distill_epochs ({self.distill_epochs}), or 0")
+        if not (0.0 <= self.kd_target_confidence < 1.0):
+            bad("kd_target_confidence", "a number in [0, 1) (0: off)")
         if not (0.0 < self.prune_ratio < 1.0):
             bad("prune_ratio", "a number in (0, 1)")
         if not (0.0 <= self.screening_min_ratio <= 1.0):
@@ -363,8 +371,8 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
                   "boundary_fraction", "inversion", "prune_at", "prune_fractions", "prune_ratio"),
     "student": ("student_init", "distill_optimizer", "distill_lr", "distill_weight_decay", "distill_batch_size",
                 "distill_augment"),
-    "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "foreground_target",
-                     "drift_guard", "guard_fraction", "distill_mixup", "prox_weight", "teacher_debias",
+    "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "kd_target_confidence",
+                     "foreground_target", "drift_guard", "guard_fraction", "distill_mixup", "prox_weight", "teacher_debias",
                      "distill_warmup_epochs", "distill_ema_epochs"),
     "ensemble": ("ensemble_weighting", "ensemble_aggregate", "ensemble_calibration", "trim_fraction",
                  "ensemble_batched"),

@@ -43,6 +43,7 @@ resumed from any finished epoch.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -62,6 +63,42 @@ def kd_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperatur
     t = temperature
     return F.kl_div(F.log_softmax(student_logits / t, dim=1), F.softmax(teacher_logits / t, dim=1),
                     reduction="batchmean") * (t * t)
+
+
+# the lowest temperature kd_target_confidence may set: below it the loss (scaled by T^2) all but vanishes
+KD_MIN_TEMPERATURE = 0.05
+
+
+@torch.no_grad()
+def pool_kd_temperature(ensemble: Ensemble, images: torch.Tensor, cfg: FedMITRConfig, device,
+                        chunk: int = 256) -> float:
+    """The distillation temperature for this pool: ``cfg.kd_temperature``, or, when
+    ``cfg.kd_target_confidence`` > 0 and the ensemble's mean top-class probability on the pool's full
+    images at that temperature is below the target, the highest lower temperature that reaches it
+    (bisection in log space; ``KD_MIN_TEMPERATURE`` if none does, e.g. a teacher that ties every class).
+    The mean top-class probability falls as T rises, so the answer is unique; it depends only on the
+    pool and the ensemble, so a resumed run finds the same."""
+    t0, target = float(cfg.kd_temperature), float(cfg.kd_target_confidence)
+    if target <= 0 or images.shape[0] == 0:
+        return t0
+    logits = torch.cat([ensemble(images[i:i + chunk].to(device)).float().cpu()
+                        for i in range(0, images.shape[0], chunk)])
+
+    def confidence(t: float) -> float:
+        return float((logits / t).softmax(1).max(1).values.mean())
+
+    if confidence(t0) >= target:
+        return t0
+    low, high = KD_MIN_TEMPERATURE, t0
+    if low >= high or confidence(low) < target:
+        return min(low, high)
+    for _ in range(40):        # confidence(low) >= target > confidence(high)
+        mid = math.sqrt(low * high)
+        if confidence(mid) >= target:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def background_targets(ensemble: Ensemble, x: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:

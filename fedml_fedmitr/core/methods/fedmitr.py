@@ -14,7 +14,7 @@ from torch import nn
 
 from ..checkpoint import load_if_exists, save_atomic
 from ..config import FedMITRConfig, resolve_augmentation
-from ..distill import distill_student
+from ..distill import distill_student, pool_kd_temperature
 from ..evaluate import evaluate_model
 from ..inversion import SparseModelInversion, SyntheticPool, balanced_labels
 from ..pool_stats import pool_student_stats, pool_teacher_stats
@@ -71,7 +71,14 @@ class FedMITR(ServerMethod):
                 return evaluate_model(model, ctx.eval_loader, ctx.device, ctx.num_classes)["acc"]
         # with torch's global RNG state, so a student with dropout / drop-path also resumes bit-identically
         checkpoint = (lambda state: save_atomic({**state, "rng": _rng_state()}, path)) if path is not None else None
-        return distill_student(self.student, self.ensemble, images, labels, masks, self.config, ctx.device,
+        cfg = self.config
+        self._kd_temperature = pool_kd_temperature(self.ensemble, images, cfg, ctx.device)
+        if self._kd_temperature != cfg.kd_temperature:
+            ctx.callbacks.log(f"distillation temperature {self._kd_temperature:.4g} instead of kd_temperature "
+                              f"{cfg.kd_temperature:g}: the ensemble's mean top-class probability on the pool "
+                              f"reaches kd_target_confidence = {cfg.kd_target_confidence:g} there")
+            cfg = cfg.replace(kd_temperature=self._kd_temperature)
+        return distill_student(self.student, self.ensemble, images, labels, masks, cfg, ctx.device,
                                seed=ctx.seed, callbacks=ctx.callbacks, eval_fn=eval_fn,
                                checkpoint=checkpoint, resume_state=resume_state,
                                flip=resolve_augmentation(self.config, min(ctx.input_shape[1:]), ctx.client_augment,
@@ -85,6 +92,7 @@ class FedMITR(ServerMethod):
                                                        ctx.device, with_predictions=True)
             student = pool_student_stats(model, self.ensemble, images, ctx.num_classes, ctx.device, teacher_pred)
             metrics["pool_ensemble_fit"] = teacher["fit"]
+            metrics["kd_temperature"] = getattr(self, "_kd_temperature", self.config.kd_temperature)
             metrics["pool"] = {**teacher, **student}
             ctx.callbacks.log(
                 f"synthetic pool: {teacher['fit']:.1%} classified as their target by the ensemble; per class, "
@@ -115,12 +123,13 @@ class DeepInversion(FedMITR):
     ``baseline_kd_temperature`` (20 in the SMI/DENSE code)."""
 
     name = "DeepInversion"
-    forced = ("inversion", "distill_mode", "kd_temperature", "relabel_weight", "foreground_target")
+    forced = ("inversion", "distill_mode", "kd_temperature", "kd_target_confidence", "relabel_weight",
+              "foreground_target")
 
     def __init__(self, config: Optional[FedMITRConfig] = None):
         cfg = config or FedMITRConfig()
         super().__init__(cfg.replace(inversion="dense", distill_mode="kd_full",
-                                     kd_temperature=cfg.baseline_kd_temperature))
+                                     kd_temperature=cfg.baseline_kd_temperature, kd_target_confidence=0.0))
 
     @classmethod
     def used_keys(cls):
@@ -154,7 +163,7 @@ class FedMITRCE(FedMITR):
     """Ablation: sparse inversion + CE on the foreground tokens only."""
 
     name = "FedMITR-ce"
-    forced = ("distill_mode", "relabel_weight", "kd_temperature", "foreground_target")
+    forced = ("distill_mode", "relabel_weight", "kd_temperature", "kd_target_confidence", "foreground_target")
 
     def __init__(self, config: Optional[FedMITRConfig] = None):
-        super().__init__((config or FedMITRConfig()).replace(distill_mode="ce_foreground"))
+        super().__init__((config or FedMITRConfig()).replace(distill_mode="ce_foreground", kd_target_confidence=0.0))
