@@ -424,6 +424,7 @@ def run_cell_seed(cell_name: str, seed: int, overrides: Dict[str, Any], methods:
             out["foreground_tokens"] = pool["foreground_tokens"]
             out["student_pool_agreement"] = pool["student_agreement"]
             out["pool_confidence"] = pool["ensemble_confidence"]
+            out["kd_temperature"] = m.get("kd_temperature")
             out["student_pool_pred_balance"] = pool["student_pred"]
         cpath.parent.mkdir(parents=True, exist_ok=True)
         cpath.write_text(json.dumps(out))
