@@ -710,6 +710,7 @@ def change_table(base: Dict[str, Any], other: Dict[str, Any], method: str = "Fed
                    "change": paired(d)}
     cell_means = [r["change"]["mean_diff"] for r in rows.values()]
     return {"method": method, "base": base["settings"]["name"], "other": other["settings"]["name"],
+            "split": base["settings"].get("split", "test"),
             "base_overrides": base["settings"].get("overrides", {}), "other_overrides": other["settings"].get("overrides", {}),
             "cells": rows, "all_pairs": paired(diffs), "cells_up": sum(d > 0 for d in cell_means),
             "cells_down": sum(d < 0 for d in cell_means)}
@@ -719,7 +720,8 @@ def change_markdown(t: Dict[str, Any], command: str) -> str:
     m = t["method"]
     lines = [f"# {m}: {t['other']} minus {t['base']}, on the same uploads", "", f"Command: `{command}`", "",
              f"Overrides: {t['base']} {t['base_overrides'] or 'none (defaults)'}; {t['other']} "
-             f"{t['other_overrides'] or 'none (defaults)'}. Test accuracy %, mean over seeds; the change is "
+             f"{t['other_overrides'] or 'none (defaults)'}. Accuracy % on the {t.get('split', 'test')} split, mean over "
+             f"seeds; the change is "
              f"paired by seed, in points [95% interval, t distribution]; collapsed: seeds whose global model never "
              f"predicts a class its teacher gets right at least once.", "",
              f"| cell | seeds | teacher ({t['base']} / {t['other']}) | {m}, {t['base']} | {m}, {t['other']} | change | "

@@ -372,11 +372,11 @@ def test_kd_target_confidence_sharpens_only_a_flat_teacher():
     t = pool_kd_temperature(_FixedTeacher(flat), images, cfg, "cpu")
     assert KD_MIN_TEMPERATURE < t < 1.0
     assert confidence(flat, t) >= 0.5 > confidence(flat, t * 1.01)   # the highest T that reaches the target
-    # a confident teacher keeps kd_temperature, and so does one that ties every class (nothing to sharpen)
+    # a confident teacher keeps kd_temperature; one whose margins cannot reach the target gets the floor
     sure = torch.zeros(6, 10)
     sure[:, 3] = 8.0
     assert pool_kd_temperature(_FixedTeacher(sure), images, cfg, "cpu") == 1.0
-    assert pool_kd_temperature(_FixedTeacher(torch.zeros(6, 10)), images, cfg, "cpu") == 1.0
+    assert pool_kd_temperature(_FixedTeacher(torch.zeros(6, 10)), images, cfg, "cpu") == KD_MIN_TEMPERATURE
     for bad in (1.0, -0.1):
         try:
             FedMITRConfig(kd_target_confidence=bad)

@@ -75,10 +75,11 @@ def pool_kd_temperature(ensemble: Ensemble, images: torch.Tensor, cfg: FedMITRCo
     """The distillation temperature for this pool: ``cfg.kd_temperature``, or, when
     ``cfg.kd_target_confidence`` > 0 and the ensemble's mean top-class probability on the pool's full
     images at that temperature is below the target, the highest lower temperature that reaches it
-    (bisection in log space, down to ``KD_MIN_TEMPERATURE``). A teacher that cannot reach the target
-    even there (one that ties every class, e.g. clients that each learnt a single class) has no margin
-    to sharpen and keeps ``kd_temperature``. The mean top-class probability falls as T rises, so the
-    answer is unique; it depends only on the pool and the ensemble, so a resumed run finds the same."""
+    (bisection in log space), or ``KD_MIN_TEMPERATURE`` when none above it does (label-sorted digits:
+    five clients of two classes each give no class more than 1/5 of the teacher's mass at T = 1, and
+    their margins are too small to reach 0.5 even at the floor). The mean top-class probability falls
+    as T rises, so the answer is unique; it depends only on the pool and the ensemble, so a resumed
+    run finds the same."""
     t0, target = float(cfg.kd_temperature), float(cfg.kd_target_confidence)
     if target <= 0 or images.shape[0] == 0:
         return t0
@@ -92,7 +93,7 @@ def pool_kd_temperature(ensemble: Ensemble, images: torch.Tensor, cfg: FedMITRCo
         return t0
     low, high = KD_MIN_TEMPERATURE, t0
     if low >= high or confidence(low) < target:
-        return t0
+        return min(low, high)
     for _ in range(40):        # confidence(low) >= target > confidence(high)
         mid = math.sqrt(low * high)
         if confidence(mid) >= target:
