@@ -75,8 +75,8 @@ class FedMITR(ServerMethod):
         self._kd_temperature = pool_kd_temperature(self.ensemble, images, cfg, ctx.device)
         if self._kd_temperature != cfg.kd_temperature:
             ctx.callbacks.log(f"distillation temperature {self._kd_temperature:.4g} instead of kd_temperature "
-                              f"{cfg.kd_temperature:g}: the ensemble's mean top-class probability on the pool "
-                              f"reaches kd_target_confidence = {cfg.kd_target_confidence:g} there")
+                              f"{cfg.kd_temperature:g}: at {cfg.kd_temperature:g} the ensemble's mean top-class "
+                              f"probability on the pool is below kd_target_confidence = {cfg.kd_target_confidence:g}")
             cfg = cfg.replace(kd_temperature=self._kd_temperature)
         return distill_student(self.student, self.ensemble, images, labels, masks, cfg, ctx.device,
                                seed=ctx.seed, callbacks=ctx.callbacks, eval_fn=eval_fn,
