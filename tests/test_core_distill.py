@@ -366,7 +366,7 @@ def test_kd_target_confidence_sharpens_only_a_flat_teacher():
     flat = torch.log(torch.tensor([[0.9, 0.1] * 5] * 6))
     flat[:, 0] += 0.2                       # the holder of class 0 is a little surer: the teacher's argmax
     assert confidence(flat, 1.0) < 0.25
-    off = FedMITRConfig()
+    off = FedMITRConfig(kd_target_confidence=0.0)
     assert pool_kd_temperature(_FixedTeacher(flat), images, off, "cpu") == off.kd_temperature   # 0: off
     cfg = FedMITRConfig(kd_target_confidence=0.5)
     t = pool_kd_temperature(_FixedTeacher(flat), images, cfg, "cpu")
