@@ -38,7 +38,7 @@ def test_budget_only_config_on_label_sorted_clients_runs_with_the_defaults_and_d
     assert defaults["feature_weight"] > 0   # the clients' feature statistics came through FedML and were used
     for key in ("prune_fractions", "prune_ratio", "relabel_weight", "kd_temperature", "inversion_lr",
                 "tv_weight", "distill_mode", "ensemble_weighting", "drift_guard", "foreground_target",
-                "feature_weight"):
+                "kd_target_confidence", "feature_weight"):
         assert used[key] == defaults[key], key
     resolved = summary["config"]["resolved"]
     assert resolved["prune_iterations"] == [3, 6, 10, 15]       # 10/20/35/50% of 30 steps
@@ -58,7 +58,9 @@ def test_budget_only_config_on_label_sorted_clients_runs_with_the_defaults_and_d
         # label-sorted federation collapses"): with the mean teacher the two classes that two clients
         # share took half the pool and 74% of the background tokens. The per-class, held-class teacher
         # (the default since 2026-12-05) gets all ten classes right here, but at this test's budget
-        # (100 images, 10 epochs) the student still predicts 7 of them (measured on this machine).
+        # (100 images, 10 epochs) the student predicts 6 of them with kd_target_confidence 0.5 (7 without);
+        # at 60 epochs 8, missing the two classes the ensemble gets right on only 3% and 6% of their
+        # test images (measured on this machine).
         # An expected failure, not hidden, until the issue is fixed.
         pytest.xfail(f"#18 collapse: ensemble right on {sorted(ensemble_right)}, "
                      f"global model predicts {sorted(predicted)}")
