@@ -720,9 +720,8 @@ def change_markdown(t: Dict[str, Any], command: str) -> str:
     m = t["method"]
     lines = [f"# {m}: {t['other']} minus {t['base']}, on the same uploads", "", f"Command: `{command}`", "",
              f"Overrides: {t['base']} {t['base_overrides'] or 'none (defaults)'}; {t['other']} "
-             f"{t['other_overrides'] or 'none (defaults)'}. Accuracy % on the {t.get('split', 'test')} split, mean over "
-             f"seeds; the change is "
-             f"paired by seed, in points [95% interval, t distribution]; collapsed: seeds whose global model never "
+             f"{t['other_overrides'] or 'none (defaults)'}. Accuracy % on the {t['split']} split, mean over seeds; "
+             f"the change is paired by seed, in points [95% interval, t distribution]; collapsed: seeds whose global model never "
              f"predicts a class its teacher gets right at least once.", "",
              f"| cell | seeds | teacher ({t['base']} / {t['other']}) | {m}, {t['base']} | {m}, {t['other']} | change | "
              f"collapsed seeds ({t['base']} / {t['other']}) |", "|---|---:|---:|---:|---:|---:|---|"]
