@@ -377,10 +377,11 @@ def test_kd_target_confidence_sharpens_only_a_flat_teacher():
     sure[:, 3] = 8.0
     assert pool_kd_temperature(_FixedTeacher(sure), images, cfg, "cpu") == 1.0
     assert pool_kd_temperature(_FixedTeacher(torch.zeros(6, 10)), images, cfg, "cpu") == KD_MIN_TEMPERATURE
-    for bad in (1.0, -0.1):
-        try:
-            FedMITRConfig(kd_target_confidence=bad)
-        except ValueError as e:
-            assert "kd_target_confidence" in str(e) and "[0, 1)" in str(e)
-        else:
-            raise AssertionError(f"kd_target_confidence = {bad} was accepted")
+    for key in ("kd_target_confidence", "baseline_kd_target_confidence"):
+        for bad in (1.0, -0.1):
+            try:
+                FedMITRConfig(**{key: bad})
+            except ValueError as e:
+                assert key in str(e) and "[0, 1)" in str(e)
+            else:
+                raise AssertionError(f"{key} = {bad} was accepted")

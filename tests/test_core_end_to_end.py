@@ -1,4 +1,6 @@
 """End to end on real data that installs with the project: scikit-learn's digits, 5 clients."""
+import logging
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_fedavg_baseline_returns_the_weighted_average(federation):
 
 
 
-def test_kd_target_confidence_sets_fedmitrs_temperature_and_not_deepinversions(federation):
+def test_kd_target_confidence_sets_fedmitrs_temperature_and_not_deepinversions(federation, caplog):
     """FedMITR distils at the lowered temperature and reports it; DeepInversion keeps its own T."""
     uploads, _, ctx = federation
     small = {**SERVER, "num_synthetic": 40, "synthesis_batch_size": 20, "distill_epochs": 1}
@@ -86,3 +88,10 @@ def test_kd_target_confidence_sets_fedmitrs_temperature_and_not_deepinversions(f
                                                      sharp.model.state_dict().values()))
     di = get_method("DeepInversion")(FedMITRConfig(**small, kd_target_confidence=0.99)).run(uploads, ctx)
     assert di.metrics["kd_temperature"] == FedMITRConfig().baseline_kd_temperature
+    # DeepInversion given the same rule through its own key: its T = 20 is lowered, and the log names its keys
+    with caplog.at_level(logging.INFO):
+        di_sharp = get_method("DeepInversion")(FedMITRConfig(**small, baseline_kd_target_confidence=0.99)).run(
+            uploads, ctx)
+    assert di_sharp.metrics["kd_temperature"] < FedMITRConfig().baseline_kd_temperature
+    assert any("instead of baseline_kd_temperature 20" in m and "baseline_kd_target_confidence = 0.99" in m
+               for m in caplog.messages), caplog.messages

@@ -76,6 +76,10 @@ def test_keys_of_other_methods_and_forced_keys_are_unused():
     assert get_method("DeepInversion").unused_keys(["distill_mode", "kd_temperature", "baseline_kd_temperature",
                                                     "tv_weight"]) == ["distill_mode", "kd_temperature"]
     assert get_method("DENSE").unused_keys(["num_synthetic", "gen_lr", "distill_lr"]) == ["num_synthetic"]
+    # the baseline's confidence rule needs a pool: DeepInversion's key, no generator's
+    assert get_method("DeepInversion").unused_keys(["baseline_kd_target_confidence"]) == []
+    assert get_method("DENSE").unused_keys(["baseline_kd_target_confidence"]) == ["baseline_kd_target_confidence"]
+    assert get_method("FedMITR").unused_keys(["baseline_kd_target_confidence"]) == ["baseline_kd_target_confidence"]
     assert get_method("OneShotFedAvg").unused_keys(["student_init", "ensemble_weighting"]) == ["student_init"]
 
 

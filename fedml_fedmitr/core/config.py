@@ -183,6 +183,9 @@ class FedMITRConfig:
     gen_adv_weight: float = 1.0         # adversarial (disagreement) term
     gen_kd_steps: int = 0               # KD steps per epoch over the pool; 0 = one pass
     baseline_kd_temperature: float = 20.0  # DENSE / DeepInversion KD temperature
+    baseline_kd_target_confidence: float = 0.0  # DeepInversion's kd_target_confidence: > 0 lowers its T below
+                                        # baseline_kd_temperature by the same rule as FedMITR's (the baseline
+                                        # given FedMITR's lever); 0: off, the fixed T of the SMI/DENSE code
     coboost_temperature: float = 4.0    # Co-Boosting KD temperature
     coboost_eps: float = 8.0 / 255.0    # Co-Boosting input perturbation
     coboost_mu: float = 0.01            # Co-Boosting ensemble weight step
@@ -260,8 +263,9 @@ class FedMITRConfig:
                 bad(key, "a finite number >= 0")
         if self.distill_warmup_epochs and self.distill_warmup_epochs >= self.distill_epochs:
             bad("distill_warmup_epochs", f"fewer epochs than distill_epochs ({self.distill_epochs}), or 0")
-        if not (0.0 <= self.kd_target_confidence < 1.0):
-            bad("kd_target_confidence", "a number in [0, 1) (0: off)")
+        for key in ["kd_target_confidence", "baseline_kd_target_confidence"]:
+            if not (0.0 <= getattr(self, key) < 1.0):
+                bad(key, "a number in [0, 1) (0: off)")
         if not (0.0 < self.prune_ratio < 1.0):
             bad("prune_ratio", "a number in (0, 1)")
         if not (0.0 <= self.screening_min_ratio <= 1.0):
@@ -381,7 +385,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "screening": ("client_screening", "screening_images", "screening_iters", "screening_z", "screening_min_ratio",
                   "min_clients_after_screening", "synthesis_batch_size"),
     "generator": ("gen_nz", "gen_lr", "gen_steps", "gen_batch_size", "gen_epochs", "gen_adv_weight", "gen_kd_steps",
-                  "baseline_kd_temperature", "coboost_temperature", "coboost_eps", "coboost_mu",
+                  "baseline_kd_temperature", "baseline_kd_target_confidence", "coboost_temperature", "coboost_eps", "coboost_mu",
                   "fedftg_div_weight"),
     "compute": ("autocast",),
     "output": ("seed", "eval_every", "output_dir", "resume", "progress", "tensorboard", "save_images"),

@@ -29,6 +29,8 @@ class FedMITR(ServerMethod):
 
     name = "FedMITR"
     sections = ServerMethod.sections + ("inversion", "student", "distillation", "compute")
+    # the user's keys behind the config's kd_temperature / kd_target_confidence (for the log)
+    temperature_keys = ("kd_temperature", "kd_target_confidence")
 
     def _state_path(self, ctx: ServerContext, name: str):
         return None if ctx.state_dir is None else ctx.state_dir / f"{self.name}_{name}"
@@ -74,9 +76,10 @@ class FedMITR(ServerMethod):
         cfg = self.config
         self._kd_temperature = pool_kd_temperature(self.ensemble, images, cfg, ctx.device)
         if self._kd_temperature != cfg.kd_temperature:
-            ctx.callbacks.log(f"distillation temperature {self._kd_temperature:.4g} instead of kd_temperature "
+            t_key, c_key = self.temperature_keys
+            ctx.callbacks.log(f"distillation temperature {self._kd_temperature:.4g} instead of {t_key} "
                               f"{cfg.kd_temperature:g}: at {cfg.kd_temperature:g} the ensemble's mean top-class "
-                              f"probability on the pool is below kd_target_confidence = {cfg.kd_target_confidence:g}")
+                              f"probability on the pool is below {c_key} = {cfg.kd_target_confidence:g}")
             cfg = cfg.replace(kd_temperature=self._kd_temperature)
         return distill_student(self.student, self.ensemble, images, labels, masks, cfg, ctx.device,
                                seed=ctx.seed, callbacks=ctx.callbacks, eval_fn=eval_fn,
@@ -120,20 +123,23 @@ def _set_rng_state(state: Optional[dict]) -> None:
 @register_method
 class DeepInversion(FedMITR):
     """DeepInversion for ViTs: dense inversion of the ensemble + KL distillation on full images at
-    ``baseline_kd_temperature`` (20 in the SMI/DENSE code)."""
+    ``baseline_kd_temperature`` (20 in the SMI/DENSE code), lowered by FedMITR's confidence rule when
+    ``baseline_kd_target_confidence`` > 0."""
 
     name = "DeepInversion"
     forced = ("inversion", "distill_mode", "kd_temperature", "kd_target_confidence", "relabel_weight",
               "foreground_target")
+    temperature_keys = ("baseline_kd_temperature", "baseline_kd_target_confidence")
 
     def __init__(self, config: Optional[FedMITRConfig] = None):
         cfg = config or FedMITRConfig()
         super().__init__(cfg.replace(inversion="dense", distill_mode="kd_full",
-                                     kd_temperature=cfg.baseline_kd_temperature, kd_target_confidence=0.0))
+                                     kd_temperature=cfg.baseline_kd_temperature,
+                                     kd_target_confidence=cfg.baseline_kd_target_confidence))
 
     @classmethod
     def used_keys(cls):
-        return super().used_keys() + ("baseline_kd_temperature",)
+        return super().used_keys() + ("baseline_kd_temperature", "baseline_kd_target_confidence")
 
 
 @register_method
