@@ -205,3 +205,16 @@ def test_boundary_fraction_inverts_a_share_of_the_batch_towards_two_classes():
         FedMITRConfig.from_dict({"boundary_fraction": 1.5})
     with pytest.raises(ConfigError, match="boundary_fraction"):
         FedMITRConfig(boundary_fraction=1.5)
+
+
+def test_inversion_init_std_sets_the_starting_noise():
+    """The images start as noise of inversion_init_std (0: the mean pixel), so after two Adam steps of a
+    small learning rate an image is within those steps of its start."""
+    labels = torch.arange(4)
+    base = dict(inversion_iters=2, inversion_lr=0.01)
+    flat = make(FedMITRConfig(**base, inversion_init_std=0.0)).synthesize(labels, seed=0).images
+    noisy = make(FedMITRConfig(**base)).synthesize(labels, seed=0).images
+    assert flat.abs().max() <= 0.03      # two Adam steps of about lr each
+    assert noisy.abs().max() > 0.3 and noisy.std() > 10 * flat.std()
+    with pytest.raises(ConfigError, match="inversion_init_std"):
+        FedMITRConfig(inversion_init_std=-1.0)

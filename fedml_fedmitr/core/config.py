@@ -58,6 +58,9 @@ class FedMITRConfig:
     inversion_iters: int = 200          # Adam steps per synthesis batch (SMI: 4000 at 224 px)
     inversion_lr: float = 0.25          # Adam lr on pixels (SMI)
     inversion_betas: Tuple[float, float] = (0.5, 0.99)
+    inversion_init_std: float = 1.0     # the images start as Gaussian noise of this std in normalised pixel
+                                        # space (clamped to the valid range); 1: DeepInversion's randn start,
+                                        # 0: every image starts as the dataset's mean pixel
     tv_weight: float = 1e-4             # weight of the l2 total-variation prior (SMI / DeepInversion)
     jitter: int = -1                    # max roll in pixels; -1: as the clients trained (max(1, side // 8)
                                         # with random crops, else 0), see resolve_augmentation()
@@ -254,7 +257,7 @@ class FedMITRConfig:
             v = getattr(self, key)
             if not (v > 0 and math.isfinite(v)):
                 bad(key, "a finite number > 0")
-        for key in ["tv_weight", "competition_weight", "feature_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight",
+        for key in ["tv_weight", "inversion_init_std", "competition_weight", "feature_weight", "distill_weight_decay", "relabel_weight", "gen_adv_weight",
                     "prox_weight",
                     "distill_ema_epochs",
                     "coboost_eps", "coboost_mu", "fedftg_div_weight", "screening_z"]:
@@ -373,6 +376,7 @@ class FedMITRConfig:
 # sections (screening inverts its probe images in batches of synthesis_batch_size).
 SECTIONS: Dict[str, Tuple[str, ...]] = {
     "inversion": ("num_synthetic", "synthesis_batch_size", "inversion_iters", "inversion_lr", "inversion_betas",
+                  "inversion_init_std",
                   "tv_weight", "jitter", "flip", "color_shift", "competition_weight", "feature_weight", "feature_tokens",
                   "boundary_fraction", "inversion", "prune_at", "prune_fractions", "prune_ratio"),
     "student": ("student_init", "distill_optimizer", "distill_lr", "distill_weight_decay", "distill_batch_size",

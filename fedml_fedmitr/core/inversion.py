@@ -194,7 +194,7 @@ class SparseModelInversion:
         gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(batch_index))
         b = labels.shape[0]
         labels = labels.to(self.device)
-        x = torch.randn(b, self.c, self.h, self.w, generator=gen).to(self.device)
+        x = (torch.randn(b, self.c, self.h, self.w, generator=gen) * cfg.inversion_init_std).to(self.device)
         x = torch.max(torch.min(x, self.hi), self.lo).requires_grad_(True)
         targets = self.soft_targets(labels, gen) if cfg.boundary_fraction > 0 else labels
         opt = torch.optim.Adam([x], lr=cfg.inversion_lr, betas=tuple(cfg.inversion_betas))
