@@ -154,8 +154,8 @@ class ServerMethod(abc.ABC):
 
     name: str = "?"
     needs_synthesis: bool = True
-    # the sections of FedMITRConfig (config.SECTIONS) this method reads, and the keys it sets itself
-    # (a value given for those has no effect)
+    # the sections of FedMITRConfig (config.SECTIONS) this method reads, and the keys of those sections it
+    # sets itself or never reads (a value given for those has no effect)
     sections: Tuple[str, ...] = ("ensemble", "screening", "output")
     forced: Tuple[str, ...] = ()
 

@@ -87,7 +87,8 @@ class GeneratorBaseline(ServerMethod):
     generator_width: int = GENERATOR_WIDTH
     progress_name = "generator synthesis + KD"
     sections = ServerMethod.sections + ("student", "generator")
-    # DeepInversion's alone: a generator distils on fresh batches, with no pool to measure the teacher on
+    # a "generator" key only DeepInversion reads: a generator distils on fresh batches, with no pool to
+    # measure the teacher's confidence on
     forced = ("baseline_kd_target_confidence",)
 
     # ---- life cycle ----
