@@ -7,9 +7,17 @@ import torch
 from fedml_fedmitr.core.client import train_client
 from fedml_fedmitr.core.config import ClientTrainConfig, ConfigError, FedMITRConfig
 from fedml_fedmitr.core.ensemble import Ensemble, client_weights
-from fedml_fedmitr.core.inversion import SparseModelInversion, feature_stats_loss
+from fedml_fedmitr.core.inversion import SparseModelInversion, class_feature_stats_loss, feature_stats_loss
 from fedml_fedmitr.core.methods import ClientUpload
-from fedml_fedmitr.core.models import forward_tokens, patch_token_sums, pooled_moments, run_blocks, token_moments
+from fedml_fedmitr.core.models import (
+    class_token_moments,
+    forward_tokens,
+    group_moments,
+    patch_token_sums,
+    pooled_moments,
+    run_blocks,
+    token_moments,
+)
 from fedml_fedmitr.core.screening import screen_clients
 
 from helpers_core import digits, loader, tiny_vit
@@ -224,3 +232,99 @@ def test_the_prior_over_all_tokens_brings_whole_images_closer_to_the_clients(dat
     assert int(batch.masks[0].sum()) == 4 and not torch.equal(batch.images, kept_batch.images)
     with pytest.raises(ConfigError, match="fedmitr_args.feature_tokens = 'some' is invalid: expected one of 'kept', 'all'"):
         FedMITRConfig.from_dict({"feature_tokens": "some"})
+
+
+# ---- the class-conditional prior (feature_prior: per_class) ----
+
+def test_per_class_moments_are_each_class_s_own_token_moments(data):
+    x, y = data
+    model = tiny_vit(seed=4)
+    stats = class_token_moments(model, loader(x[y != 9], y[y != 9], batch=64), "cpu", 10)
+    assert stats.shape == (10, 2, 2, model.embed_dim)
+    for c in (0, 3):
+        torch.testing.assert_close(stats[c], token_moments(model, loader(x[y == c], y[y == c]), "cpu"),
+                                   rtol=1e-4, atol=1e-5)
+    assert torch.equal(stats[9], torch.zeros_like(stats[9]))    # a class the shard lacks
+    # the same moments per group of images from a sparse forward's per-image moments
+    keep = torch.tensor([[0, 5, 6, 15]]).repeat(12, 1)
+    labels = torch.tensor([0, 1] * 6)
+    _, per_image = forward_tokens(model, x[:12], keep, return_moments="per_image")
+    grouped, counts = group_moments(per_image, labels, 3)
+    assert counts.tolist() == [6.0, 6.0, 0.0]
+    for g in (0, 1):
+        _, direct = forward_tokens(model, x[:12][labels == g], keep[:6], return_moments=True)
+        torch.testing.assert_close(grouped[g], direct, rtol=1e-4, atol=1e-5)
+
+
+def test_batched_and_looped_ensembles_give_the_same_per_image_moments(data):
+    models = [tiny_vit(seed=i) for i in range(2)]
+    w = client_weights("mean", [1] * 2, [[1] * 10] * 2, 10)
+    loop = Ensemble(models, w, batched="loop").client_logits(data[0][:5], None, return_moments="per_image")
+    vmapped = Ensemble(models, w, batched="vmap").client_logits(data[0][:5], None, return_moments="per_image")
+    for a, b in zip(loop[1], vmapped[1]):
+        assert a.shape == (5, 2, 2, models[0].embed_dim)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_client_sends_per_class_statistics_only_when_asked(data):
+    x, y = data
+    plain = train_client(1, tiny_vit(seed=3), loader(x, y, batch=64), ClientTrainConfig(epochs=1), "cpu", 10)
+    assert plain.class_feature_stats is None and "class_feature_stats" not in plain.to_payload()
+    model = tiny_vit(seed=3)
+    up = train_client(1, model, loader(x, y, batch=64), ClientTrainConfig(epochs=1, class_feature_stats=True),
+                      "cpu", 10)
+    torch.testing.assert_close(up.class_feature_stats, class_token_moments(model, loader(x, y), "cpu", 10))
+    assert torch.equal(ClientUpload.from_payload(up.to_payload()).class_feature_stats, up.class_feature_stats)
+    with pytest.raises(ValueError, match=r"class_feature_stats must be a float tensor \(classes, blocks, 2"):
+        ClientUpload.from_payload(dict(up.to_payload(), class_feature_stats=up.class_feature_stats[:4]))
+
+
+def test_a_client_s_statistics_of_a_class_it_does_not_hold_pull_nothing():
+    torch.manual_seed(0)
+    per_image = [torch.randn(6, 2, 2, 8, requires_grad=True) for _ in range(2)]
+    labels = torch.tensor([0, 0, 0, 1, 1, 1])
+    honest = [torch.rand(3, 2, 2, 8) for _ in range(2)]
+    shares = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, 0.5]])   # client 0 holds class 0, client 1 class 1
+
+    def loss(targets):
+        return class_feature_stats_loss(per_image, labels, targets, shares)
+
+    poisoned = [honest[0].clone(), honest[1].clone()]
+    poisoned[0][1] *= 1e6        # client 0's class-1 statistics, a class it holds no image of
+    poisoned[1][0] += 1e6
+    torch.testing.assert_close(loss(poisoned), loss(honest))
+    loss(honest).backward()
+    assert per_image[0].grad[3:].abs().sum() == 0 and per_image[0].grad[:3].abs().sum() > 0
+
+
+def test_inversion_with_the_per_class_prior_matches_each_class_s_moments(data):
+    x, y = data
+    models = [tiny_vit(seed=i) for i in range(2)]
+    uploads = uploads_of(models, x, y)
+    for u, m in zip(uploads, models):
+        u.class_feature_stats = class_token_moments(m, loader(x, y), "cpu", 10)
+    cfg = FedMITRConfig(inversion_iters=40, prune_at=[20], jitter=0, flip=False, feature_weight=1.0,
+                        feature_prior="per_class")
+    labels = torch.arange(10).repeat(2)
+
+    def invert(c):
+        ens = Ensemble.from_uploads(uploads, lambda: tiny_vit(seed=9), 10, c, "cpu")
+        batch = SparseModelInversion(ens, c, (1, 16, 16), [0.3], [0.35], "cpu").synthesize(labels, seed=1)
+        with torch.no_grad():   # the finished images' distance to each class's moments, on every token
+            _, per_image = ens.client_logits(batch.images, None, return_moments="per_image")
+        _, shares = ens.checked_class_feature_stats()
+        return class_feature_stats_loss(per_image, labels, [u.class_feature_stats for u in uploads], shares).item()
+
+    assert invert(cfg) < 0.8 * invert(cfg.replace(feature_prior="global"))
+    # clients that sent no per-class statistics are named, with the switch that sends them
+    uploads[1].class_feature_stats = None
+    with pytest.raises(ValueError, match=r"client\(s\) \[1\] uploaded none \(sent with "
+                                         r"train_args.client_class_feature_stats: true\)"):
+        invert(cfg)
+    uploads[1].class_feature_stats = torch.zeros(9, 2, 2, models[0].embed_dim)
+    with pytest.raises(ValueError, match=r"client 1's per-class feature statistics: expected a float tensor "
+                                         r"of shape \(10, 2, 2, "):
+        invert(cfg)
+    with pytest.raises(ConfigError, match="fedmitr_args.feature_prior = 'per_class' is invalid: expected 'global' "
+                                          "with feature_tokens: all"):
+        FedMITRConfig.from_dict({"feature_prior": "per_class", "feature_tokens": "all"})

@@ -42,6 +42,12 @@ def test_valid_tiny_config(tmp_path):
     # clients that withhold their statistics and a server that matches them: refused before training
     ({"train_args": {"client_feature_stats": False}},
      ["train_args.client_feature_stats = false", "fedmitr_args.feature_weight = 0.1", "feature_weight: 0"]),
+    # the class-conditional prior, but clients that do not send per-class statistics (off by default)
+    ({"fedmitr_args": {"feature_prior": "per_class"}},
+     ["fedmitr_args.feature_prior = 'per_class'", "client_class_feature_stats: true", "feature_prior: global"]),
+    ({"fedmitr_args": {"feature_prior": "per_class", "feature_tokens": "all"}},
+     ["fedmitr_args.feature_prior = 'per_class'", "feature_tokens: all"]),
+    ({"train_args": {"client_class_feature_stats": 1}}, ["train_args.client_class_feature_stats", "true or false"]),
 ])
 def test_bad_values_are_named(tmp_path, sections, words):
     with pytest.raises(ConfigError) as err:
@@ -58,6 +64,13 @@ def test_withheld_feature_statistics_are_fine_where_nothing_matches_them(tmp_pat
     sections = {**sections, "train_args": {"client_feature_stats": False, **sections.get("train_args", {})}}
     _, flat = _validate(tmp_path, **sections)
     assert flat.fedmitr_settings.client.feature_stats is False
+
+
+def test_clients_that_send_per_class_statistics_let_the_class_conditional_prior_run(tmp_path):
+    _, flat = _validate(tmp_path, fedmitr_args={"feature_prior": "per_class"},
+                        train_args={"client_class_feature_stats": True})
+    settings = flat.fedmitr_settings
+    assert settings.method.feature_prior == "per_class" and settings.client.class_feature_stats is True
 
 
 def test_missing_config_file(tmp_path):

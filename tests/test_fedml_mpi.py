@@ -19,12 +19,17 @@ def _mpirun(procs, n, cfg, home, log):
 
 def test_mpi_simulation_two_clients(tmp_path, tmp_home, procs):
     out = tmp_path / "out"
-    cfg = write_yaml(tmp_path / "mpi.yaml", tiny_config(out, comm_args={"backend": "MPI"}))
+    # the clients also send per-class feature statistics over MPI, and the server's prior matches them
+    cfg = write_yaml(tmp_path / "mpi.yaml", tiny_config(out, comm_args={"backend": "MPI"},
+                                                        train_args={"client_class_feature_stats": True},
+                                                        fedmitr_args={"feature_prior": "per_class"}))
     p, rc = _mpirun(procs, 3, cfg, tmp_home, tmp_path / "mpirun.log")
     assert rc == 0, p.output()[-6000:]
     summary = read_summary(out)
     check_summary(summary, "FedMITR", clients=2)
     assert summary["backend"] == "MPI" and summary["training_type"] == "simulation"
+    assert summary["config"]["fedmitr_args"]["feature_prior"] == "per_class"
+    assert summary["config"]["train_args"]["class_feature_stats"] is True
     for cid in range(2):  # each client process evaluated and saved the model it received
         rec = json.loads((out / "clients" / f"client_{cid}.json").read_text())
         assert rec["local_test_acc"] is not None

@@ -125,15 +125,19 @@ def _model_fn(settings, n, init):
 
 
 def fill_feature_stats(uploads, model_fn, loaders, device):
-    """Uploads cached before clients sent feature statistics get them now, from their trained weights on
-    their own shard (``loaders[client_id]``): what ``train_client`` computes after training."""
-    from fedml_fedmitr.core.models import token_moments
+    """Uploads cached before clients sent feature statistics get them now, and their per-class ones (which
+    a client sends only when asked, for ``feature_prior: per_class``), from their trained weights on their
+    own shard (``loaders[client_id]``): what ``train_client`` computes after training."""
+    from fedml_fedmitr.core.models import class_token_moments, token_moments
 
     for u in uploads:
-        if u.feature_stats is None:
+        if u.feature_stats is None or u.class_feature_stats is None:
             m = model_fn()
             m.load_state_dict(u.state_dict)
-            u.feature_stats = token_moments(m, loaders[u.client_id], device)
+            if u.feature_stats is None:
+                u.feature_stats = token_moments(m, loaders[u.client_id], device)
+            if u.class_feature_stats is None:
+                u.class_feature_stats = class_token_moments(m, loaders[u.client_id], device, len(u.label_counts))
     return uploads
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from .config import ClientTrainConfig
 from .methods.base import Callbacks, ClientUpload
-from .models import token_moments
+from .models import class_token_moments, token_moments
 
 
 def make_optimizer(params, name: str, lr: float, weight_decay: float, momentum: float = 0.9):
@@ -83,7 +83,7 @@ def train_client(client_id: int, model: nn.Module, loader, cfg: ClientTrainConfi
                  num_classes: int, callbacks: Optional[Callbacks] = None) -> ClientUpload:
     """Train one client and package its upload (weights on CPU, sample and label counts, and, unless
     ``cfg.feature_stats`` is False, the token moments of its trained model on its shard, which the
-    server's feature prior matches)."""
+    server's feature prior matches; with ``cfg.class_feature_stats`` also per class)."""
     counts = label_counts_of(loader, num_classes)
     if sum(counts) == 0:
         raise ValueError(f"client {client_id} has an empty training shard")
@@ -91,4 +91,6 @@ def train_client(client_id: int, model: nn.Module, loader, cfg: ClientTrainConfi
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return ClientUpload(client_id=client_id, state_dict=state, num_samples=int(sum(counts)),
                         label_counts=counts,
-                        feature_stats=token_moments(model, loader, device) if cfg.feature_stats else None)
+                        feature_stats=token_moments(model, loader, device) if cfg.feature_stats else None,
+                        class_feature_stats=(class_token_moments(model, loader, device, num_classes)
+                                             if cfg.class_feature_stats else None))

@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 CHOICES: Dict[str, Tuple[str, ...]] = {
     "inversion": ("sparse", "dense"),
     "feature_tokens": ("kept", "all"),
+    "feature_prior": ("global", "per_class"),
     "distill_mode": ("token_relabel", "kd_full", "ce_foreground"),
     "student_init": ("fedavg", "scratch", "pretrained"),
     "ensemble_weighting": ("mean", "samples", "per_class"),
@@ -94,6 +95,13 @@ class FedMITRConfig:
                                         # full forward, without gradient, at each prune point): the clients
                                         # measured whole images, so "kept" pulls the foreground alone to
                                         # whole-image statistics; same before the first prune point
+    feature_prior: str = "global"       # what the feature prior matches: "global", each client's moments over
+                                        # all of its images; "per_class", the moments of the images of each
+                                        # class in the batch to those of the same class that each client
+                                        # measured (ClientUpload.class_feature_stats, sent with
+                                        # train_args.client_class_feature_stats: true), the clients that
+                                        # hold the class weighted by their share of its images
+                                        # (class-conditional feature statistics); needs feature_tokens: kept
     inversion: str = "sparse"           # "sparse" (FedMITR) or "dense" (no pruning; ablation)
     prune_at: Optional[List[int]] = None  # explicit prune iterations; overrides prune_fractions
     prune_fractions: Optional[List[float]] = None  # None: SMI's points from 2000 steps on, else 10/20/35/50%
@@ -264,6 +272,9 @@ class FedMITRConfig:
             v = getattr(self, key)
             if not (v >= 0 and math.isfinite(v)):
                 bad(key, "a finite number >= 0")
+        if self.feature_prior == "per_class" and self.feature_tokens != "kept":
+            bad("feature_prior", "'global' with feature_tokens: all (the class-conditional prior measures the "
+                "kept tokens)")
         if self.distill_warmup_epochs and self.distill_warmup_epochs >= self.distill_epochs:
             bad("distill_warmup_epochs", f"fewer epochs than distill_epochs ({self.distill_epochs}), or 0")
         for key in ["kd_target_confidence", "baseline_kd_target_confidence"]:
@@ -378,6 +389,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "inversion": ("num_synthetic", "synthesis_batch_size", "inversion_iters", "inversion_lr", "inversion_betas",
                   "inversion_init_std",
                   "tv_weight", "jitter", "flip", "color_shift", "competition_weight", "feature_weight", "feature_tokens",
+                  "feature_prior",
                   "boundary_fraction", "inversion", "prune_at", "prune_fractions", "prune_ratio"),
     "student": ("student_init", "distill_optimizer", "distill_lr", "distill_weight_decay", "distill_batch_size",
                 "distill_augment"),
@@ -486,6 +498,8 @@ class ClientTrainConfig:
     label_smoothing: float = 0.0
     feature_stats: bool = True          # upload the token moments of the trained model on the shard (the
                                         # server's feature prior, FedMITRConfig.feature_weight); False: withheld
+    class_feature_stats: bool = False   # also upload them per class (FedMITRConfig.feature_prior: per_class):
+                                        # off by default, as they say more about the client's data
 
     def validate(self, where: str = "train_args") -> "ClientTrainConfig":
         if self.epochs < 1:

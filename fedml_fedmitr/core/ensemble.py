@@ -89,7 +89,9 @@ class Ensemble:
                  trim_fraction: float = 0.2, batched: str = "auto", device=None,
                  offsets: Optional[torch.Tensor] = None,
                  feature_stats: Optional[List[Optional[torch.Tensor]]] = None,
-                 client_ids: Optional[List[int]] = None, held: Optional[torch.Tensor] = None):
+                 client_ids: Optional[List[int]] = None, held: Optional[torch.Tensor] = None,
+                 class_feature_stats: Optional[List[Optional[torch.Tensor]]] = None,
+                 label_counts: Optional[torch.Tensor] = None):
         if not models:
             raise ValueError("an ensemble needs at least one model")
         self.device = torch.device(device) if device is not None else next(models[0].parameters()).device
@@ -107,6 +109,11 @@ class Ensemble:
         # per client, the (depth, 2, embed_dim) token moments it measured on its data (None: not uploaded);
         # read through checked_feature_stats()
         self.feature_stats = list(feature_stats) if feature_stats is not None else [None] * len(self.models)
+        # per client, the same per class (num_classes, depth, 2, embed_dim), and its label counts (K, C):
+        # the class-conditional prior, read through checked_class_feature_stats()
+        self.class_feature_stats = (list(class_feature_stats) if class_feature_stats is not None
+                                    else [None] * len(self.models))
+        self.label_counts = label_counts
         # the clients' ids, for messages (positions when not given)
         self.client_ids = list(client_ids) if client_ids is not None else list(range(len(self.models)))
         self.aggregate = aggregate
@@ -138,7 +145,8 @@ class Ensemble:
         offsets = label_prior_offsets(counts, num_classes) if calibration == "label_prior" else None
         held = held_class_mask(counts, num_classes) if calibration == "held_classes" else None
         return cls(models, weights, cfg.ensemble_aggregate, cfg.trim_fraction, cfg.ensemble_batched, device,
-                   offsets, [u.feature_stats for u in uploads], [int(u.client_id) for u in uploads], held)
+                   offsets, [u.feature_stats for u in uploads], [int(u.client_id) for u in uploads], held,
+                   [getattr(u, "class_feature_stats", None) for u in uploads], _count_matrix(counts))
 
     def __len__(self) -> int:
         return len(self.models)
@@ -151,7 +159,9 @@ class Ensemble:
         return Ensemble([self.models[i] for i in keep], w, self.aggregate, self.trim_fraction,
                         self.batched, self.device, None if self.offsets is None else self.offsets[keep],
                         [self.feature_stats[i] for i in keep], [self.client_ids[i] for i in keep],
-                        None if self.held is None else self.held[keep])
+                        None if self.held is None else self.held[keep],
+                        [self.class_feature_stats[i] for i in keep],
+                        None if self.label_counts is None else self.label_counts[keep])
 
     def checked_feature_stats(self, what: str = "fedmitr_args.feature_weight > 0") -> List[torch.Tensor]:
         """Every client's feature statistics on the ensemble's device, checked against its model; a
@@ -165,6 +175,23 @@ class Ensemble:
             check_feature_stats(t, m, f"client {cid}'s feature statistics")
         return [t.to(self.device, torch.float32) for t in self.feature_stats]
 
+    def checked_class_feature_stats(self, what: str = "fedmitr_args.feature_prior = 'per_class'"):
+        """Every client's per-class feature statistics, checked against its model, and each client's share
+        of each class's images (K, C), on the ensemble's device; a ValueError naming the clients that
+        sent none or a misshapen one (``what`` needs them)."""
+        missing = [cid for cid, t in zip(self.client_ids, self.class_feature_stats) if t is None]
+        if missing or self.label_counts is None:
+            raise ValueError(f"{what} matches each client's per-class feature statistics, but client(s) "
+                             f"{missing or self.client_ids} uploaded none (sent with train_args."
+                             "client_class_feature_stats: true); set feature_prior: global, or let those "
+                             "clients send them")
+        num_classes = self.label_counts.shape[1]
+        for cid, t, m in zip(self.client_ids, self.class_feature_stats, self.models):
+            check_feature_stats(t, m, f"client {cid}'s per-class feature statistics", num_classes)
+        counts = self.label_counts.to(self.device, torch.float32)
+        shares = counts / counts.sum(0, keepdim=True).clamp_min(1.0)
+        return [t.to(self.device, torch.float32) for t in self.class_feature_stats], shares
+
     # ---- forwards ----
     def _build_stacked(self) -> None:
         wrappers = [TokenSubsetViT(m) for m in self.models]
@@ -174,10 +201,11 @@ class Ensemble:
         self._stacked = (base, params, buffers)
 
     def client_logits(self, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None,
-                      return_attn: bool = False, return_moments: bool = False):
+                      return_attn: bool = False, return_moments=False):
         """Per-client logits (K, B, C) [and CLS-to-patch attention (K, B, k)] on the kept tokens; with
         ``return_moments`` also, per client, its block inputs' token moments on ``x`` (a list of K
-        (depth, 2, embed_dim) tensors, see :func:`~fedml_fedmitr.core.models.run_blocks`)."""
+        (depth, 2, embed_dim) tensors, or (B, depth, 2, embed_dim) with ``return_moments="per_image"``, see
+        :func:`~fedml_fedmitr.core.models.run_blocks`)."""
         if self.batched == "vmap":
             base, params, buffers = self._stacked
 

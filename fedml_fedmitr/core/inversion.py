@@ -20,6 +20,9 @@ each block of each client's ViT, on the batch, pulled towards what that client m
 data and uploaded (DeepInversion's BatchNorm-statistics prior, for a ViT, which has no BatchNorm).
 With ``feature_tokens: all`` the halted patches count too once pruning starts: at each prune point a
 full forward (no gradient) measures their block inputs, and the moments pool them with the kept ones.
+With ``feature_prior: per_class`` the prior is class-conditional (:func:`class_feature_stats_loss`):
+the batch's images of each class are matched to what the clients that hold the class measured on
+their images of it.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from torch import nn
 
 from .config import FedMITRConfig, resolve_augmentation
 from .ensemble import Ensemble
-from .models import autocast, forward_tokens, patch_token_sums, pooled_moments
+from .models import autocast, forward_tokens, group_moments, patch_token_sums, pooled_moments
 
 
 @dataclass
@@ -99,6 +102,25 @@ def feature_stats_loss(moments: Sequence[torch.Tensor], targets: Sequence[torch.
     return total / len(targets)
 
 
+def class_feature_stats_loss(per_image: Sequence[torch.Tensor], labels: torch.Tensor,
+                             targets: Sequence[torch.Tensor], shares: torch.Tensor) -> torch.Tensor:
+    """The class-conditional feature prior: for each class y in the batch, the sum over the clients k that
+    hold it, weighted by their share of its images (``shares`` (K, C), columns summing to 1), of
+    :func:`feature_stats_loss`'s distance between the token moments of the batch's images of class y and
+    those client k measured on its own images of class y (``targets``, K tensors (C, depth, 2, D));
+    averaged over the classes in the batch. ``per_image``: K tensors (B, depth, 2, D), see
+    :func:`~fedml_fedmitr.core.models.run_blocks`."""
+    num_classes = shares.shape[1]
+    present = None
+    total = 0.0
+    for k, (m, t) in enumerate(zip(per_image, targets)):
+        moments, counts = group_moments(m, labels, num_classes)             # (C, depth, 2, D), (C,)
+        present = counts > 0
+        dist = (moments - t.to(moments.dtype)).norm(dim=-1).sum(dim=(1, 2))  # (C,)
+        total = total + (dist * shares[k].to(dist.dtype) * present).sum()
+    return total / present.sum().clamp_min(1)
+
+
 def balanced_labels(batch_size: int, num_classes: int, batch_index: int) -> torch.Tensor:
     """Labels cycling over the classes, continuing from batch to batch so the pool stays balanced."""
     start = batch_index * batch_size
@@ -153,8 +175,11 @@ class SparseModelInversion:
                 raise ValueError("competition_weight > 0 needs the student's starting model (start=...)")
             self.start = start.to(device).eval().requires_grad_(False)
         # feature_weight: what each client measured on its data, which the images' token moments must match
-        self.feature_stats = None
-        if cfg.feature_weight > 0:
+        # (feature_prior: per_class, the same per class, with each client's share of each class's images)
+        self.feature_stats = self.class_shares = None
+        if cfg.feature_weight > 0 and cfg.feature_prior == "per_class":
+            self.feature_stats, self.class_shares = ensemble.checked_class_feature_stats()
+        elif cfg.feature_weight > 0:
             self.feature_stats = ensemble.checked_feature_stats(f"fedmitr_args.feature_weight = {cfg.feature_weight}")
         self.c, self.h, self.w = (int(v) for v in input_shape)
         vit = ensemble.models[0]
@@ -229,11 +254,15 @@ class SparseModelInversion:
                 if self.feature_stats is None:
                     logits = self.ensemble(x_a, keep_a)
                 else:
-                    client_logits, moments = self.ensemble.client_logits(x_a, keep_a, return_moments=True)
+                    client_logits, moments = self.ensemble.client_logits(
+                        x_a, keep_a, return_moments="per_image" if self.class_shares is not None else True)
                     logits = self.ensemble.combine(client_logits)
             ce = F.cross_entropy(logits.float(), targets)
             loss = ce + cfg.tv_weight * tv_l2(x)
-            if self.feature_stats is not None:
+            if self.class_shares is not None:
+                loss = loss + cfg.feature_weight * class_feature_stats_loss(moments, labels, self.feature_stats,
+                                                                            self.class_shares)
+            elif self.feature_stats is not None:
                 if halted_sums is not None:
                     kept_n, halted_n = b * keep.shape[1], b * (self.num_patches - keep.shape[1])
                     moments = [pooled_moments(m, kept_n, s, halted_n) for m, s in zip(moments, halted_sums)]

@@ -183,19 +183,40 @@ def last_block_attention(model: VisionTransformer):
         attn.fused_attn = old
 
 
-def run_blocks(model: VisionTransformer, tokens: torch.Tensor, return_moments: bool = False):
+def run_blocks(model: VisionTransformer, tokens: torch.Tensor, return_moments=False):
     """The transformer blocks on ``tokens``. With ``return_moments`` also the mean and the variance over
     the batch and the patch tokens (prefix tokens left out) of each block's input, (depth, 2, embed_dim),
-    in float32: the statistics that :func:`token_moments` measures on a client's data."""
+    in float32: the statistics that :func:`token_moments` measures on a client's data. With
+    ``return_moments="per_image"`` instead each image's mean and mean of squares over its own patch tokens,
+    (B, depth, 2, embed_dim), from which the moments of any group of images follow
+    (:func:`group_moments`)."""
     if not return_moments:
         return model.blocks(tokens), None
     p = model.num_prefix_tokens
+    per_image = return_moments == "per_image"
     moments = []
     for block in model.blocks:
         t = tokens[:, p:].float()
-        moments.append(torch.stack([t.mean(dim=(0, 1)), t.var(dim=(0, 1), unbiased=False)]))
+        if per_image:
+            moments.append(torch.stack([t.mean(dim=1), (t * t).mean(dim=1)], dim=1))   # (B, 2, D)
+        else:
+            moments.append(torch.stack([t.mean(dim=(0, 1)), t.var(dim=(0, 1), unbiased=False)]))
         tokens = block(tokens)
-    return tokens, torch.stack(moments)
+    return tokens, torch.stack(moments, dim=1 if per_image else 0)
+
+
+def group_moments(per_image: torch.Tensor, groups: torch.Tensor, num_groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token mean and variance per group of images, (G, depth, 2, embed_dim), from :func:`run_blocks`'s
+    per-image moments (B, depth, 2, embed_dim) of images that each hold the same number of patch tokens
+    (so every token weighs the same), and the number of images of each group (G,). ``groups`` (B,) gives
+    each image's group; a group without images gets zeros."""
+    onehot = torch.nn.functional.one_hot(groups.long(), num_groups).to(per_image.dtype)   # (B, G)
+    counts = onehot.sum(0)
+    sums = torch.einsum("bg,bldx->gldx", onehot, per_image)
+    avg = sums / counts.clamp_min(1.0).view(-1, 1, 1, 1)
+    mean = avg[:, :, 0]
+    var = (avg[:, :, 1] - mean * mean).clamp_min(0.0)
+    return torch.stack([mean, var], dim=2), counts
 
 
 @torch.no_grad()
@@ -225,12 +246,13 @@ def pooled_moments(moments: torch.Tensor, count: int, sums: torch.Tensor, other_
 
 
 def forward_tokens(model: VisionTransformer, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None,
-                   return_attn: bool = False, return_moments: bool = False):
+                   return_attn: bool = False, return_moments=False):
     """Logits of ``model`` on images ``x`` seeing only the patches ``keep_idx`` (B, k) (all if None).
 
     Dropped tokens never enter a block: the blocks run on ``num_prefix_tokens + k`` tokens. With
     ``return_attn`` also returns the last block's CLS-to-patch attention, mean over heads, (B, k); with
-    ``return_moments`` also each block input's token mean and variance (:func:`run_blocks`), after it.
+    ``return_moments`` also each block input's token mean and variance (:func:`run_blocks`, which also
+    explains ``return_moments="per_image"``), after it.
     """
     tokens = gather_tokens(embed_tokens(model, x), keep_idx, model.num_prefix_tokens)
     if not return_attn:
@@ -245,15 +267,19 @@ def forward_tokens(model: VisionTransformer, x: torch.Tensor, keep_idx: Optional
     return (logits, cls_to_patch, moments) if return_moments else (logits, cls_to_patch)
 
 
-def check_feature_stats(stats, model: VisionTransformer, what: str) -> None:
+def check_feature_stats(stats, model: VisionTransformer, what: str, num_classes: Optional[int] = None) -> None:
     """``stats`` must be a finite float tensor (depth, 2, embed_dim) of ``model``'s shape (see
-    :func:`token_moments`), variances >= 0; otherwise a ValueError naming ``what``."""
+    :func:`token_moments`), or with ``num_classes`` (num_classes, depth, 2, embed_dim) (see
+    :func:`class_token_moments`), variances >= 0; otherwise a ValueError naming ``what``."""
     expected = (len(model.blocks), 2, int(model.embed_dim))
+    if num_classes is not None:
+        expected = (int(num_classes),) + expected
     if not isinstance(stats, torch.Tensor) or not stats.is_floating_point() or tuple(stats.shape) != expected:
         got = tuple(stats.shape) if isinstance(stats, torch.Tensor) else type(stats).__name__
-        raise ValueError(f"{what}: expected a float tensor of shape {expected} (blocks, mean and variance, "
-                         f"embed_dim), got {got}")
-    if not bool(torch.isfinite(stats).all()) or bool((stats[:, 1] < 0).any()):
+        layout = "(blocks, mean and variance, embed_dim)" if num_classes is None else \
+            "(classes, blocks, mean and variance, embed_dim)"
+        raise ValueError(f"{what}: expected a float tensor of shape {expected} {layout}, got {got}")
+    if not bool(torch.isfinite(stats).all()) or bool((stats.select(-2, 1) < 0).any()):
         raise ValueError(f"{what}: holds NaN/Inf or a negative variance")
 
 
@@ -279,6 +305,26 @@ def token_moments(model: VisionTransformer, loader, device) -> torch.Tensor:
     return torch.stack([mean, s2 / total - mean * mean], dim=1).float().cpu()
 
 
+@torch.no_grad()
+def class_token_moments(model: VisionTransformer, loader, device, num_classes: int) -> torch.Tensor:
+    """(num_classes, depth, 2, embed_dim): :func:`token_moments` of each class's images of ``loader``
+    apart (zeros for a class without images). What a client uploads for the class-conditional feature
+    prior (``FedMITRConfig.feature_prior: per_class``)."""
+    model.to(device).eval()
+    sums, counts = None, torch.zeros(num_classes, dtype=torch.float64)
+    for x, y in loader:
+        _, m = forward_tokens(model, x.to(device), return_moments="per_image")
+        onehot = torch.nn.functional.one_hot(y.long().view(-1).cpu(), num_classes).double()
+        part = torch.einsum("bc,bldx->cldx", onehot, m.double().cpu())
+        sums = part if sums is None else sums + part
+        counts += onehot.sum(0)
+    if sums is None:
+        raise ValueError("class_token_moments: the loader holds no images")
+    avg = sums / counts.clamp_min(1.0).view(-1, 1, 1, 1)
+    mean = avg[:, :, 0]
+    return torch.stack([mean, (avg[:, :, 1] - mean * mean).clamp_min(0.0)], dim=2).float()
+
+
 class TokenSubsetViT(nn.Module):
     """A module whose ``forward(x, keep_idx)`` is :func:`forward_tokens` (for functional_call/vmap)."""
 
@@ -287,7 +333,7 @@ class TokenSubsetViT(nn.Module):
         self.vit = vit
 
     def forward(self, x: torch.Tensor, keep_idx: Optional[torch.Tensor] = None, return_attn: bool = False,
-                return_moments: bool = False):
+                return_moments=False):
         return forward_tokens(self.vit, x, keep_idx, return_attn, return_moments)
 
 

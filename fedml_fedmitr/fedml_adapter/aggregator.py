@@ -284,7 +284,8 @@ class FedMITRServerAggregator(ServerAggregator):
             partition=partition,
             config={"train_args": {k: getattr(self.train_config, k) for k in
                                    ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "momentum",
-                                    "augment", "flip", "label_smoothing", "feature_stats")},
+                                    "augment", "flip", "label_smoothing", "feature_stats",
+                                    "class_feature_stats")},
                     "data": info.to_dict() if info is not None else None,
                     "yaml_config_file": getattr(args, "yaml_config_file", None)},
             train_seconds=list(getattr(self, "train_seconds", []) or []), start_time=self.start_time,

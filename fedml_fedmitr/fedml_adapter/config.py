@@ -136,21 +136,29 @@ def settings_from(sections: Optional[Mapping[str, Any]], args, path: str = "") -
 
 def check_feature_prior(settings: PluginSettings, args) -> None:
     """A simulation whose clients withhold their feature statistics (``train_args.client_feature_stats:
-    false``) cannot run a method that matches them (``fedmitr_args.feature_weight > 0``): refused before
-    any client trains. A cross-silo party's file describes only its own side; there the server names
-    the clients that sent none when synthesis starts (``Ensemble.checked_feature_stats``)."""
+    false``) cannot run a method that matches them (``fedmitr_args.feature_weight > 0``), nor can one whose
+    clients do not send them per class (``train_args.client_class_feature_stats``, off by default) run the
+    class-conditional prior (``fedmitr_args.feature_prior: per_class``): refused before any client
+    trains. A cross-silo party's file describes only its own side; there the server names the clients
+    that sent none when synthesis starts (``Ensemble.checked_feature_stats``)."""
     from ..core.methods import get_method, method_names
 
-    if settings.client.feature_stats or settings.method.feature_weight <= 0:
-        return
-    if getattr(args, "training_type", "simulation") == "cross_silo":
+    method, client = settings.method, settings.client
+    if method.feature_weight <= 0 or getattr(args, "training_type", "simulation") == "cross_silo":
         return
     name = getattr(args, "federated_optimizer", None)
-    if name in method_names() and "feature_weight" in get_method(name).used_keys():
+    if name not in method_names() or "feature_weight" not in get_method(name).used_keys():
+        return
+    if not client.feature_stats and method.feature_prior == "global":
         raise ConfigError(f"train_args.client_feature_stats = false withholds the clients' feature statistics, "
-                          f"but {SECTION}.feature_weight = {settings.method.feature_weight} makes {name} match "
+                          f"but {SECTION}.feature_weight = {method.feature_weight} makes {name} match "
                           f"them: set feature_weight: 0 (inversion without the feature prior) or "
                           f"client_feature_stats: true")
+    if not client.class_feature_stats and method.feature_prior == "per_class":
+        raise ConfigError(f"{SECTION}.feature_prior = 'per_class' makes {name} match the clients' per-class "
+                          f"feature statistics, but train_args.client_class_feature_stats is not true, so "
+                          f"the clients do not send them: set client_class_feature_stats: true, or "
+                          f"feature_prior: global")
 
 
 def read_settings(args) -> PluginSettings:
@@ -284,7 +292,7 @@ OPTIMIZER_ALIASES = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
 def client_train_config(args) -> ClientTrainConfig:
     """FedML's ``train_args`` (epochs, batch_size, learning_rate, client_optimizer, weight_decay,
     and the plugin's optional momentum, client_augment, client_flip, label_smoothing,
-    client_feature_stats)."""
+    client_feature_stats, client_class_feature_stats)."""
     opt = getattr(args, "client_optimizer", "adamw")
     if not isinstance(opt, str) or opt.lower() not in OPTIMIZER_ALIASES:
         raise ConfigError(f"train_args.client_optimizer = {opt!r} is invalid: expected 'adamw', 'adam' or 'sgd'")
@@ -299,6 +307,7 @@ def client_train_config(args) -> ClientTrainConfig:
         flip=_bool(args, "client_flip", True),
         label_smoothing=_float(args, "label_smoothing", 0.0),
         feature_stats=_bool(args, "client_feature_stats", True),
+        class_feature_stats=_bool(args, "client_class_feature_stats", False),
     )
     if cfg.label_smoothing >= 1.0:
         raise ConfigError(f"train_args.label_smoothing = {cfg.label_smoothing!r} is invalid: expected [0, 1)")

@@ -42,7 +42,7 @@ CLIENT_KEYS = ("dataset", "npz_path", "partition_method", "partition_alpha", "cl
                "partition_min_size", "test_fraction", "client_num_in_total", "random_seed", "model", "img_size",
                "patch_size", "in_chans", "pretrained", "pretrained_path", "checkpoint", "client_models", "epochs",
                "batch_size", "learning_rate", "client_optimizer", "weight_decay", "momentum", "client_augment",
-               "client_flip", "label_smoothing", "client_feature_stats", "interpolation", "input_mean", "input_std")
+               "client_flip", "label_smoothing", "client_feature_stats", "client_class_feature_stats", "interpolation", "input_mean", "input_std")
 
 
 def state_dir(output_dir) -> Path:
@@ -116,6 +116,9 @@ def uploads_digest(uploads) -> str:
         if getattr(u, "feature_stats", None) is not None:
             h.update(b"feature_stats")
             tensor(u.feature_stats)
+        if getattr(u, "class_feature_stats", None) is not None:
+            h.update(b"class_feature_stats")
+            tensor(u.class_feature_stats)
     return h.hexdigest()
 
 

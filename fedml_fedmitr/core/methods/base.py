@@ -43,6 +43,9 @@ class ClientUpload:
     # (depth, 2, embed_dim): mean and variance of the patch tokens entering each block, over the client's
     # own images (core.models.token_moments); what the server's feature prior matches. None: not sent
     feature_stats: Optional[torch.Tensor] = None
+    # (num_classes, depth, 2, embed_dim): the same per class of the client's images
+    # (core.models.class_token_moments), for the class-conditional prior; None: not sent (the default)
+    class_feature_stats: Optional[torch.Tensor] = None
 
     def to_payload(self) -> Dict[str, Any]:
         """A plain dict (picklable by any FedML backend)."""
@@ -52,6 +55,8 @@ class ClientUpload:
             payload["architecture"] = str(self.architecture)
         if self.feature_stats is not None:
             payload["feature_stats"] = self.feature_stats
+        if self.class_feature_stats is not None:
+            payload["class_feature_stats"] = self.class_feature_stats
         return payload
 
     @classmethod
@@ -64,10 +69,17 @@ class ClientUpload:
                                       and stats.dim() == 3 and stats.shape[1] == 2):
             raise ValueError("feature_stats must be a float tensor (blocks, 2, embed_dim), got "
                              f"{tuple(stats.shape) if isinstance(stats, torch.Tensor) else type(stats).__name__}")
+        class_stats = payload.get("class_feature_stats")
+        if class_stats is not None and not (isinstance(class_stats, torch.Tensor) and class_stats.is_floating_point()
+                                            and class_stats.dim() == 4 and class_stats.shape[2] == 2
+                                            and class_stats.shape[0] == len(payload["label_counts"])):
+            raise ValueError("class_feature_stats must be a float tensor (classes, blocks, 2, embed_dim) with one "
+                             "row per class of label_counts, got "
+                             f"{tuple(class_stats.shape) if isinstance(class_stats, torch.Tensor) else type(class_stats).__name__}")
         return cls(client_id=int(payload["client_id"]), state_dict=payload["state_dict"],
                    num_samples=int(payload["num_samples"]),
                    label_counts=[int(c) for c in payload["label_counts"]], architecture=arch,
-                   feature_stats=stats)
+                   feature_stats=stats, class_feature_stats=class_stats)
 
 
 class Callbacks:
