@@ -52,7 +52,10 @@ def test_fedmitr_on_digits_beats_chance_and_the_ensemble_beats_its_clients(feder
     result = get_method("FedMITR")(FedMITRConfig(**SERVER)).run(uploads, ctx)
     m = result.metrics
     assert m["ensemble_acc"] > sum(client_accs) / len(client_accs)
-    assert m["test_acc"] > 0.2           # chance is 0.1 (measured: 0.29 on this setting, one thread)
+    # chance is 0.1 on 10 classes; 0.15 is 3 standard deviations above it on the 360 test images (as
+    # conftest.check_summary). Measured with one thread, the same code: 0.29 on one CI machine, 0.18 on
+    # another (CPU kernels differ between machines, and this tiny budget amplifies the difference)
+    assert m["test_acc"] > 0.15
     assert m["num_synthetic"] == 200
     assert m["timings"]["synthesis_s"] > 0 and m["timings"]["distill_s"] > 0
     assert len(m["per_class_acc"]) == 10
