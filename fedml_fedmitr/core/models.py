@@ -311,18 +311,14 @@ def class_token_moments(model: VisionTransformer, loader, device, num_classes: i
     apart (zeros for a class without images). What a client uploads for the class-conditional feature
     prior (``FedMITRConfig.feature_prior: per_class``)."""
     model.to(device).eval()
-    sums, counts = None, torch.zeros(num_classes, dtype=torch.float64)
+    per_image, labels = [], []
     for x, y in loader:
         _, m = forward_tokens(model, x.to(device), return_moments="per_image")
-        onehot = torch.nn.functional.one_hot(y.long().view(-1).cpu(), num_classes).double()
-        part = torch.einsum("bc,bldx->cldx", onehot, m.double().cpu())
-        sums = part if sums is None else sums + part
-        counts += onehot.sum(0)
-    if sums is None:
+        per_image.append(m.double().cpu())
+        labels.append(y.long().view(-1).cpu())
+    if not per_image:
         raise ValueError("class_token_moments: the loader holds no images")
-    avg = sums / counts.clamp_min(1.0).view(-1, 1, 1, 1)
-    mean = avg[:, :, 0]
-    return torch.stack([mean, (avg[:, :, 1] - mean * mean).clamp_min(0.0)], dim=2).float()
+    return group_moments(torch.cat(per_image), torch.cat(labels), num_classes)[0].float()
 
 
 class TokenSubsetViT(nn.Module):
