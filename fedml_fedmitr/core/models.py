@@ -205,18 +205,30 @@ def run_blocks(model: VisionTransformer, tokens: torch.Tensor, return_moments=Fa
     return tokens, torch.stack(moments, dim=1 if per_image else 0)
 
 
+def group_sums(per_image: torch.Tensor, groups: torch.Tensor, num_groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per group of images, the sums of :func:`run_blocks`'s per-image moments (B, depth, 2, embed_dim),
+    (G, depth, 2, embed_dim), and the number of images (G,). ``groups`` (B,) gives each image's group.
+    Sums add over batches, so a loader can be reduced one batch at a time."""
+    onehot = torch.nn.functional.one_hot(groups.long(), num_groups).to(per_image.dtype)   # (B, G)
+    return torch.einsum("bg,bldx->gldx", onehot, per_image), onehot.sum(0)
+
+
+def moments_from_sums(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Token mean and variance per group, (G, depth, 2, embed_dim), from :func:`group_sums`'s output;
+    a group without images gets zeros."""
+    avg = sums / counts.clamp_min(1.0).view(-1, 1, 1, 1)
+    mean = avg[:, :, 0]
+    var = (avg[:, :, 1] - mean * mean).clamp_min(0.0)
+    return torch.stack([mean, var], dim=2)
+
+
 def group_moments(per_image: torch.Tensor, groups: torch.Tensor, num_groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token mean and variance per group of images, (G, depth, 2, embed_dim), from :func:`run_blocks`'s
     per-image moments (B, depth, 2, embed_dim) of images that each hold the same number of patch tokens
     (so every token weighs the same), and the number of images of each group (G,). ``groups`` (B,) gives
     each image's group; a group without images gets zeros."""
-    onehot = torch.nn.functional.one_hot(groups.long(), num_groups).to(per_image.dtype)   # (B, G)
-    counts = onehot.sum(0)
-    sums = torch.einsum("bg,bldx->gldx", onehot, per_image)
-    avg = sums / counts.clamp_min(1.0).view(-1, 1, 1, 1)
-    mean = avg[:, :, 0]
-    var = (avg[:, :, 1] - mean * mean).clamp_min(0.0)
-    return torch.stack([mean, var], dim=2), counts
+    sums, counts = group_sums(per_image, groups, num_groups)
+    return moments_from_sums(sums, counts), counts
 
 
 @torch.no_grad()
@@ -311,14 +323,14 @@ def class_token_moments(model: VisionTransformer, loader, device, num_classes: i
     apart (zeros for a class without images). What a client uploads for the class-conditional feature
     prior (``FedMITRConfig.feature_prior: per_class``)."""
     model.to(device).eval()
-    per_image, labels = [], []
-    for x, y in loader:
+    sums, counts = None, None
+    for x, y in loader:      # reduced batch by batch: memory does not grow with the client's data
         _, m = forward_tokens(model, x.to(device), return_moments="per_image")
-        per_image.append(m.double().cpu())
-        labels.append(y.long().view(-1).cpu())
-    if not per_image:
+        part, n = group_sums(m.double().cpu(), y.long().view(-1).cpu(), num_classes)
+        sums, counts = (part, n) if sums is None else (sums + part, counts + n)
+    if sums is None:
         raise ValueError("class_token_moments: the loader holds no images")
-    return group_moments(torch.cat(per_image), torch.cat(labels), num_classes)[0].float()
+    return moments_from_sums(sums, counts).float()
 
 
 class TokenSubsetViT(nn.Module):
