@@ -55,9 +55,11 @@ def probe(cell_name: str, seed: int, split: str, variants: Dict[str, Any]) -> Li
         batch = inv.synthesize(labels, batch_index=0, seed=seed)
         with torch.no_grad():
             pred = ens(batch.images).argmax(1)
+            held = None if ens.held is None else holder_margins(ens.calibrated(ens.client_logits(batch.images)),
+                                                                ens.held, labels)
         hit = pred == labels
         rows.append({"cell": cell_name, "seed": seed, "split": split, "variant": text,
-                     "fit": float(hit.float().mean()),
+                     "fit": float(hit.float().mean()), "held_class_margins": held,
                      "fit_per_class": torch.bincount(labels[hit], minlength=n).tolist(),
                      "images_per_class": torch.bincount(labels, minlength=n).tolist(),
                      "predicted_per_class": torch.bincount(pred, minlength=n).tolist(),
@@ -66,6 +68,26 @@ def probe(cell_name: str, seed: int, split: str, variants: Dict[str, Any]) -> Li
         print(f"{cell_name} seed {seed} {text}: fit {100 * r['fit']:.0f}%, per class {r['fit_per_class']} "
               f"of {r['images_per_class']}, predicted {r['predicted_per_class']} ({r['seconds']:.0f} s)", flush=True)
     return rows
+
+
+def holder_margins(logp, held, labels) -> Dict[str, float]:
+    """Why the held-class teacher does or does not give a synthetic image its label. ``logp``: the clients'
+    calibrated log-probabilities (K, B, C) over the classes each holds; ``held``: (K, C) bool; ``labels``:
+    (B,). Per image, the holders' best probability of the label and the non-holders' best probability of
+    one of their own classes (images every client holds the label of are left out of the second):
+    ``holder_p`` and ``nonholder_p`` are their means, ``holder_beats`` the share of images where the
+    first is the larger (with one holder per class, as in label-sorted shards, the teacher's argmax is
+    then the label)."""
+    p = logp.exp().masked_fill(~held.unsqueeze(1), 0.0)          # (K, B, C)
+    holds = held[:, labels]                                       # (K, B): client k holds image b's label
+    of_label = p.gather(2, labels.view(1, -1, 1).expand(p.shape[0], -1, 1)).squeeze(2)   # (K, B)
+    holder = of_label.masked_fill(~holds, 0.0).max(0).values     # (B,)
+    other = p.max(2).values.masked_fill(holds, -1.0).max(0).values   # (B,); -1: no non-holder
+    some = other >= 0
+    return {"holder_p": float(holder.mean()),
+            "nonholder_p": float(other[some].mean()) if bool(some.any()) else float("nan"),
+            "holder_beats": float((holder > other).float().mean()),
+            "images_with_a_nonholder": float(some.float().mean())}
 
 
 def variant_configs(variants: List[str]) -> Dict[str, Any]:
@@ -100,14 +122,21 @@ def markdown(result: Dict[str, Any]) -> str:
              "One synthesis batch per row (batch index 0, balanced labels, the matrix's budget and the "
              "defaults plus the variant); fit: images the ensemble assigns their synthesis label on the "
              "whole image, per class.", "",
-             "| cell | split | seed | variant | fit (%) | fit per class | ensemble's predictions per class |",
-             "|---|---|---:|---|---:|---|---|"]
+             "Held-class teacher: holder p, the mean over images of the best probability that a client holding "
+             "the image's label gives it (over the classes that client holds); non-holder p, of the best "
+             "probability a client not holding it gives one of its own classes; beats, the share of images "
+             "where the holder's is the larger.", "",
+             "| cell | split | seed | variant | fit (%) | holder p | non-holder p | beats | fit per class | "
+             "ensemble's predictions per class |",
+             "|---|---|---:|---|---:|---:|---:|---:|---|---|"]
     for r in result["rows"]:
         per = " / ".join(map(str, r["fit_per_class"]))
         sizes = set(r["images_per_class"])
         of = f"of {sizes.pop()}" if len(sizes) == 1 else "of " + " / ".join(map(str, r["images_per_class"]))
+        h = r.get("held_class_margins") or {}
+        margins = " | ".join(f"{h[k]:.3f}" if k in h else "-" for k in ("holder_p", "nonholder_p", "holder_beats"))
         lines.append(f"| {r['cell']} | {r['split']} | {r['seed']} | {r['variant']} | {100 * r['fit']:.0f} | "
-                     f"{per} ({of}) | {' / '.join(map(str, r['predicted_per_class']))} |")
+                     f"{margins} | {per} ({of}) | {' / '.join(map(str, r['predicted_per_class']))} |")
     return "\n".join(lines) + "\n"
 
 

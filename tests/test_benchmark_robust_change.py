@@ -137,3 +137,29 @@ def test_teacher_probe_refuses_a_bad_variant_and_pairs_changes_by_seed(tmp_path,
     assert s["overall"]["w"]["per_seed"] == pytest.approx([20.0, 10.0, -10.0])
     assert "all pairs" in teacher_probe.markdown({"name": "x", "command": "c", "variants": ["default", "w"],
                                                   "summary": s})
+
+
+def test_pool_fit_probe_holder_margins_say_whether_the_holder_outbids_the_others():
+    """The held-class margins: the holder's probability of the label against the non-holders' best
+    probability of one of their own classes, per image; an image whose label every client holds has no
+    non-holder and is left out of the second."""
+    import pool_fit_probe
+    import torch
+
+    held = torch.tensor([[True, True, False], [False, False, True], [True, False, True]])
+    # (K=3, B=3, C=3) probabilities over each client's held classes
+    p = torch.tensor([[[0.9, 0.1, 0.0], [0.2, 0.8, 0.0], [0.5, 0.5, 0.0]],
+                      [[0.0, 0.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0]],
+                      [[0.7, 0.0, 0.3], [0.4, 0.0, 0.6], [0.1, 0.0, 0.9]]])
+    logp = p.clamp_min(1e-12).log()
+    labels = torch.tensor([0, 1, 2])
+    m = pool_fit_probe.holder_margins(logp, held, labels)
+    # image 0 (label 0): holders 0 and 2 -> 0.9; non-holder 1 -> 1.0: not beaten
+    # image 1 (label 1): holder 0 -> 0.8; non-holders 1 (1.0) and 2 (0.6) -> 1.0
+    # image 2 (label 2): holders 1 and 2 -> 1.0; non-holder 0 -> 0.5: beaten
+    assert abs(m["holder_p"] - (0.9 + 0.8 + 1.0) / 3) < 1e-5
+    assert abs(m["nonholder_p"] - (1.0 + 1.0 + 0.5) / 3) < 1e-5
+    assert abs(m["holder_beats"] - 1 / 3) < 1e-6 and m["images_with_a_nonholder"] == 1.0
+    everyone = torch.ones(3, 3, dtype=torch.bool)
+    m = pool_fit_probe.holder_margins(torch.full((3, 3, 3), -1.0986), everyone, labels)
+    assert m["images_with_a_nonholder"] == 0.0 and m["holder_beats"] == 1.0
