@@ -54,9 +54,9 @@ def probe(cell_name: str, seed: int, split: str, variants: Dict[str, Any]) -> Li
         t = time.perf_counter()
         batch = inv.synthesize(labels, batch_index=0, seed=seed)
         with torch.no_grad():
-            pred = ens(batch.images).argmax(1)
-            held = None if ens.held is None else holder_margins(ens.calibrated(ens.client_logits(batch.images)),
-                                                                ens.held, labels)
+            client_logits = ens.client_logits(batch.images)     # one forward per client, read twice below
+            pred = ens.combine(client_logits).argmax(1)
+            held = None if ens.held is None else holder_margins(ens.calibrated(client_logits), ens.held, labels)
         hit = pred == labels
         rows.append({"cell": cell_name, "seed": seed, "split": split, "variant": text,
                      "fit": float(hit.float().mean()), "held_class_margins": held,
@@ -78,9 +78,10 @@ def holder_margins(logp, held, labels) -> Dict[str, float]:
     ``holder_p`` and ``nonholder_p`` are their means, ``holder_beats`` the share of images where the
     first is the larger (with one holder per class, as in label-sorted shards, the teacher's argmax is
     then the label)."""
+    import torch
     p = logp.exp().masked_fill(~held.unsqueeze(1), 0.0)          # (K, B, C)
     holds = held[:, labels]                                       # (K, B): client k holds image b's label
-    of_label = p.gather(2, labels.view(1, -1, 1).expand(p.shape[0], -1, 1)).squeeze(2)   # (K, B)
+    of_label = p[:, torch.arange(len(labels)), labels]           # (K, B): each client's p of the label
     holder = of_label.masked_fill(~holds, 0.0).max(0).values     # (B,)
     other = p.max(2).values.masked_fill(holds, -1.0).max(0).values   # (B,); -1: no non-holder
     some = other >= 0
