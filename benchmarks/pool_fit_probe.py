@@ -7,7 +7,8 @@ A diagnostic for the robustness matrix's missing pool classes (#18): on the cell
 uploads (``benchmarks/robustness.py`` trains and caches them), it inverts the first synthesis batch
 of FedMITR's pool (``synthesis_batch_size`` images with balanced labels, batch index 0, the matrix's
 budget and ``FedMITRConfig``'s defaults, plus each variant's ``KEY=VALUE`` changes) and counts, per
-class, the images the ensemble assigns their synthesis label on the whole image. No distillation:
+class, the images the ensemble assigns their synthesis label on the whole image; with the held-class
+teacher also its margins (:func:`holder_margins`: the label's holders against the other clients). No distillation:
 seconds to a minute per variant on one core. Results: ``benchmarks/results/<name>.{json,md}``.
 """
 from __future__ import annotations
