@@ -7,7 +7,8 @@
 Each run is the config's own command (``python -m fedml_fedmitr``, ``mpirun``, the cross-silo
 launcher ``examples/cross_silo/run_local.sh``, the stock-FedML ``examples/stock_main/main.py``) on a
 copy of the config whose only changes are ``common_args.random_seed`` and
-``fedmitr_args.output_dir``. The numbers come from the run's own ``summary.json`` (``test_acc``,
+``fedmitr_args.output_dir`` (and the ``fedmitr_args`` keys given with ``--set KEY=VALUE``, to try a
+budget before it is shipped, e.g. ``--set distill_epochs=180``). The numbers come from the run's own ``summary.json`` (``test_acc``,
 ``ensemble_acc``, ``client_test_acc``). Results: ``benchmarks/results/<name>.{json,md}``; run logs
 under ``fedmitr_output/shipped/`` (git-ignored). Runs one at a time: on 2 cores each takes 2-4 minutes.
 """
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -46,13 +48,32 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def seeded_copy(src: Path, dst: Path, seed: int, output_dir: str) -> Dict[str, Any]:
-    """Write ``src`` to ``dst`` with only the seed and the output folder changed; returns the config."""
+def parse_overrides(items: List[str]) -> Dict[str, Any]:
+    """``--set KEY=VALUE`` items as ``{key: YAML value}``; each key must be a ``FedMITRConfig`` field."""
+    from fedml_fedmitr.core.config import FedMITRConfig
+
+    known = {f.name for f in fields(FedMITRConfig)} - {"output_dir"}
+    out: Dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in known:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY a fedmitr_args key "
+                             f"(one of {', '.join(sorted(known))})")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def seeded_copy(src: Path, dst: Path, seed: int, output_dir: str,
+                overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Write ``src`` to ``dst`` with only the seed, the output folder and ``overrides`` (``fedmitr_args``
+    keys) changed; returns the config."""
     cfg = yaml.safe_load(src.read_text())
     for section, key in (("common_args", "random_seed"), ("fedmitr_args", "output_dir")):
         if key not in (cfg.get(section) or {}):
             raise SystemExit(f"{src}: expected {section}.{key} in the shipped config")
     cfg["common_args"]["random_seed"] = seed
+    cfg["fedmitr_args"].update(overrides or {})
     cfg["fedmitr_args"]["output_dir"] = output_dir
     dst.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return cfg
@@ -66,7 +87,8 @@ def find_mpirun(py: str) -> str:
     return found
 
 
-def run_one(name: str, seed: int, py: str, work: Path) -> Dict[str, Any]:
+def run_one(name: str, seed: int, py: str, work: Path,
+            overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     spec = CONFIGS[name]
     out_dir = OUT / f"{name}_s{seed}"
     shutil.rmtree(ROOT / out_dir, ignore_errors=True)
@@ -74,7 +96,7 @@ def run_one(name: str, seed: int, py: str, work: Path) -> Dict[str, Any]:
     paths, cfg = {}, {}
     for role, src in spec["files"].items():
         paths[role] = work / f"{name}_s{seed}_{role}.yaml"
-        cfg = seeded_copy(ROOT / src, paths[role], seed, str(out_dir))
+        cfg = seeded_copy(ROOT / src, paths[role], seed, str(out_dir), overrides)
     n = int(cfg["train_args"]["client_num_in_total"])
     fmt = {"py": py, "n": n, "n_plus_1": n + 1, **{k: str(v) for k, v in paths.items()}}
     if "{mpirun}" in spec["cmd"]:
@@ -99,11 +121,13 @@ def run_one(name: str, seed: int, py: str, work: Path) -> Dict[str, Any]:
             "client_test_acc": s.get("client_test_acc"), "wall_s": wall}
 
 
-def markdown(rows: List[Dict[str, Any]], configs: List[str], seeds: List[int], commit: str, argv: str) -> str:
+def markdown(rows: List[Dict[str, Any]], configs: List[str], seeds: List[int], commit: str, argv: str,
+             overrides: Optional[Dict[str, Any]] = None) -> str:
+    changed = "".join(f", `fedmitr_args.{k}: {v}`" for k, v in (overrides or {}).items())
     lines = [f"# The shipped configs at the defaults of commit {commit}, seeds {', '.join(map(str, seeds))}", "",
              f"Command: `python benchmarks/shipped_configs.py {argv}` (CPU, 2 cores, one run at a time).", "",
-             "Each run is the config's own command on a copy with only `common_args.random_seed` and "
-             "`fedmitr_args.output_dir` changed; the numbers are the run's own `summary.json`. "
+             "Each run is the config's own command on a copy with only `common_args.random_seed`, "
+             f"`fedmitr_args.output_dir`{changed} changed; the numbers are the run's own `summary.json`. "
              f"The bar (issue 18): the global model keeps at least {BAR} x its ensemble's accuracy on every seed.", "",
              "| config | seed | clients | global model | ensemble | global / ensemble | >= 0.9 | minutes |",
              "|---|---:|---|---:|---:|---:|:-:|---:|"]
@@ -139,12 +163,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--name", default="shipped_configs")
     ap.add_argument("--python", default=sys.executable, help="the Python that runs the configs")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="fedmitr_args keys to change in every copy (the value is read as YAML)")
     args = ap.parse_args(argv)
+    overrides = parse_overrides(args.set)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
             for seed in args.seeds:
-                r = run_one(name, seed, args.python, Path(tmp))
+                r = run_one(name, seed, args.python, Path(tmp), overrides)
                 rows.append(r)
                 print(f"{name} seed {seed}: global {100 * r['test_acc']:.1f} ensemble {100 * r['ensemble_acc']:.1f} "
                       f"ratio {r['ratio']:.2f} ({r['wall_s'] / 60:.1f} min)", flush=True)
@@ -152,8 +179,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     shown = " ".join((argv if argv is not None else sys.argv[1:]))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(
-        {"commit": commit, "configs": args.configs, "seeds": args.seeds, "bar": BAR, "runs": rows}, indent=2))
-    md = markdown(rows, args.configs, args.seeds, commit, shown)
+        {"commit": commit, "configs": args.configs, "seeds": args.seeds, "overrides": overrides, "bar": BAR,
+         "runs": rows}, indent=2))
+    md = markdown(rows, args.configs, args.seeds, commit, shown, overrides)
     (RESULTS / f"{args.name}.md").write_text(md)
     print(md)
 

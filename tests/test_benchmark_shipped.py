@@ -44,3 +44,25 @@ def test_the_table_marks_each_seed_against_the_bar():
     assert "| mpi | 0 | 50.0 / 60.0 | 76.0 | 80.0 | 0.95 | yes | 1.0 |" in md
     assert "| mpi | 1 | 50.0 / 60.0 | 70.0 | 80.0 | 0.87 | no | 1.0 |" in md
     assert "| mpi | mean | | 73.0 | 80.0 | 0.91 | not on every seed | |" in md
+
+
+def test_a_set_override_changes_only_that_key_and_is_recorded(tmp_path):
+    src = ROOT / "config/fedmitr_sp.yaml"
+    overrides = shipped_configs.parse_overrides(["distill_epochs=180"])
+    assert overrides == {"distill_epochs": 180}
+    shipped_configs.seeded_copy(src, tmp_path / "d.yaml", 0, "out", overrides)
+    copy = yaml.safe_load((tmp_path / "d.yaml").read_text())
+    original = yaml.safe_load(src.read_text())
+    assert original["fedmitr_args"]["distill_epochs"] != 180 and copy["fedmitr_args"].pop("distill_epochs") == 180
+    original["fedmitr_args"].pop("distill_epochs")
+    copy["fedmitr_args"]["output_dir"] = original["fedmitr_args"]["output_dir"]
+    assert copy == original
+    rows = [{"config": "sp", "seed": 0, "test_acc": 0.5, "ensemble_acc": 0.5, "ratio": 1.0,
+             "client_test_acc": None, "wall_s": 60.0}]
+    assert "`fedmitr_args.distill_epochs: 180`" in shipped_configs.markdown(rows, ["sp"], [0], "abc", "", overrides)
+
+
+@pytest.mark.parametrize("item", ["distil_epochs=180", "distill_epochs", "output_dir=x"])
+def test_a_bad_set_override_is_refused_by_name_before_any_run(item):
+    with pytest.raises(SystemExit, match="--set"):
+        shipped_configs.parse_overrides([item])
