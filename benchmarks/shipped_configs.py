@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -49,18 +48,21 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
 
 
 def parse_overrides(items: List[str]) -> Dict[str, Any]:
-    """``--set KEY=VALUE`` items as ``{key: YAML value}``; each key must be a ``FedMITRConfig`` field."""
-    from fedml_fedmitr.core.config import FedMITRConfig
+    """``--set KEY=VALUE`` items as ``{key: YAML value}``, checked by ``FedMITRConfig.from_dict`` (its
+    keys and value types) before any run; ``output_dir`` is this script's own."""
+    from fedml_fedmitr.core.config import ConfigError, FedMITRConfig
 
-    known = {f.name for f in fields(FedMITRConfig)} - {"output_dir"}
     out: Dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in known:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY a fedmitr_args key "
-                             f"(one of {', '.join(sorted(known))})")
+        if not sep or not key or key == "output_dir":
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY a fedmitr_args key other than output_dir")
         out[key] = yaml.safe_load(value)
+    try:
+        FedMITRConfig.from_dict(out, where="--set")
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from exc
     return out
 
 
