@@ -60,7 +60,7 @@ REFERENCES = {"KD-real": "FedMITR", "KD-real-plain": "FedMITR-kd"}
 
 # The server budget of the shipped configs (config/fedmitr_sp.yaml and the others): sizes, steps,
 # epochs only. Every method knob comes from FedMITRConfig's defaults.
-BUDGET = dict(num_synthetic=400, synthesis_batch_size=100, inversion_iters=60, distill_epochs=90,
+BUDGET = dict(num_synthetic=400, synthesis_batch_size=100, inversion_iters=60, distill_epochs=180,
               distill_batch_size=32)
 
 # Local training of the clients (FedML's train_args) per dataset family: to convergence on a shard.

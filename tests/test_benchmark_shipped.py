@@ -9,9 +9,11 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import robustness  # noqa: E402
 import shipped_configs  # noqa: E402
 
 from fedml_fedmitr.cli import validate  # noqa: E402
+from fedml_fedmitr.core.config import FedMITRConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(shipped_configs.CONFIGS))
@@ -48,21 +50,38 @@ def test_the_table_marks_each_seed_against_the_bar():
 
 def test_a_set_override_changes_only_that_key_and_is_recorded(tmp_path):
     src = ROOT / "config/fedmitr_sp.yaml"
-    overrides = shipped_configs.parse_overrides(["distill_epochs=180"])
-    assert overrides == {"distill_epochs": 180}
+    overrides = shipped_configs.parse_overrides(["distill_epochs=270"])
+    assert overrides == {"distill_epochs": 270}
     shipped_configs.seeded_copy(src, tmp_path / "d.yaml", 0, "out", overrides)
     copy = yaml.safe_load((tmp_path / "d.yaml").read_text())
     original = yaml.safe_load(src.read_text())
-    assert original["fedmitr_args"]["distill_epochs"] != 180 and copy["fedmitr_args"].pop("distill_epochs") == 180
+    assert original["fedmitr_args"]["distill_epochs"] != 270 and copy["fedmitr_args"].pop("distill_epochs") == 270
     original["fedmitr_args"].pop("distill_epochs")
     copy["fedmitr_args"]["output_dir"] = original["fedmitr_args"]["output_dir"]
     assert copy == original
     rows = [{"config": "sp", "seed": 0, "test_acc": 0.5, "ensemble_acc": 0.5, "ratio": 1.0,
              "client_test_acc": None, "wall_s": 60.0}]
-    assert "`fedmitr_args.distill_epochs: 180`" in shipped_configs.markdown(rows, ["sp"], [0], "abc", "", overrides)
+    assert "`fedmitr_args.distill_epochs: 270`" in shipped_configs.markdown(rows, ["sp"], [0], "abc", "", overrides)
 
 
 @pytest.mark.parametrize("item", ["distil_epochs=180", "distill_epochs", "output_dir=x"])
 def test_a_bad_set_override_is_refused_by_name_before_any_run(item):
     with pytest.raises(SystemExit, match="--set"):
         shipped_configs.parse_overrides([item])
+
+
+def test_the_shipped_configs_the_matrix_and_the_defaults_share_one_budget():
+    """The robustness matrix is run at the shipped configs' budget (#18), and FedMITRConfig's distillation
+    budget is that budget: changing one of them without the others would make the matrix measure a
+    setting no user runs."""
+    # every file but a cross-silo client's, whose server decides the budget
+    files = [ROOT / src for spec in shipped_configs.CONFIGS.values()
+             for role, src in spec["files"].items() if role != "client"]
+    files.append(ROOT / "config/cross_silo/fedmitr_mpi_backend.yaml")
+    assert len(files) == 5
+    for path in files:
+        args = yaml.safe_load(path.read_text())["fedmitr_args"]
+        assert {k: args.get(k) for k in robustness.BUDGET} == robustness.BUDGET, path
+    defaults = FedMITRConfig()
+    assert (defaults.distill_epochs, defaults.distill_batch_size) == (
+        robustness.BUDGET["distill_epochs"], robustness.BUDGET["distill_batch_size"])
