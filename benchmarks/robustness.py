@@ -40,6 +40,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (str(ROOT), str(ROOT / "benchmarks")):
     if _p not in sys.path:
@@ -58,10 +60,12 @@ METHODS = ["FedMITR", "DeepInversion", "OneShotFedAvg", "KD-real", "KD-real-plai
 # teacher or a short distillation from weak synthesis.
 REFERENCES = {"KD-real": "FedMITR", "KD-real-plain": "FedMITR-kd"}
 
-# The server budget of the shipped configs (config/fedmitr_sp.yaml and the others): sizes, steps,
-# epochs only. Every method knob comes from FedMITRConfig's defaults.
-BUDGET = dict(num_synthetic=400, synthesis_batch_size=100, inversion_iters=60, distill_epochs=180,
-              distill_batch_size=32)
+# The server budget of the shipped configs, read from the main job's config (the other shipped configs
+# carry the same; tests/test_benchmark_shipped.py checks it): sizes, steps, epochs only. Every method
+# knob comes from FedMITRConfig's defaults.
+BUDGET_KEYS = ("num_synthetic", "synthesis_batch_size", "inversion_iters", "distill_epochs", "distill_batch_size")
+_SHIPPED = yaml.safe_load((ROOT / "config" / "fedmitr_sp.yaml").read_text())["fedmitr_args"]
+BUDGET = {k: _SHIPPED[k] for k in BUDGET_KEYS}
 
 # Local training of the clients (FedML's train_args) per dataset family: to convergence on a shard.
 CLIENT = {
