@@ -8,6 +8,7 @@ from fedml_fedmitr.core.distill import (
     DriftGuard,
     augment_with_mask,
     background_targets,
+    crop_with_mask,
     distill_student,
     token_relabel_loss,
 )
@@ -86,6 +87,56 @@ def test_augmentation_moves_image_and_mask_together():
         for i in range(2):
             ids_new = xa[i, 0, ::4, ::4].reshape(-1)[ma[i]].sort().values
             assert torch.equal(ids_new, mask[i].nonzero().view(-1).float())
+
+
+def test_random_resized_crop_moves_image_and_mask_together():
+    # the image is its own keep mask: 1 on the pixels of kept patches, 0 elsewhere, so the patches the
+    # cropped mask keeps must be the ones the cropped image covers most
+    mask = random_mask(6, 16, 5, seed=2)
+    x = mask.float().view(6, 1, 4, 4).repeat_interleave(4, 2).repeat_interleave(4, 3)
+    g = torch.Generator().manual_seed(4)
+    moved = 0
+    for _ in range(5):
+        xc, mc = crop_with_mask(x, mask, (4, 4), (4, 4), 0.3, g)
+        assert xc.shape == x.shape and torch.equal(mc.sum(1), mask.sum(1))   # one count per image, as before
+        cover = F.avg_pool2d(xc, 4).view(6, 16)
+        for i in range(6):
+            # every kept patch is covered at least as much as every dropped one
+            assert cover[i][mc[i]].min() >= cover[i][~mc[i]].max() - 1e-6
+        moved += int((~torch.isclose(xc, x, atol=1e-4)).any())
+        assert float(xc.min()) >= -1e-6 and float(xc.max()) <= 1 + 1e-6   # resampled, never extrapolated
+    assert moved == 5
+    # the same generator state gives the same crops
+    a = crop_with_mask(x, mask, (4, 4), (4, 4), 0.3, torch.Generator().manual_seed(9))
+    b = crop_with_mask(x, mask, (4, 4), (4, 4), 0.3, torch.Generator().manual_seed(9))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # scale 1 leaves a square of the whole image: the identity
+    same = crop_with_mask(x, mask, (4, 4), (4, 4), 1.0, g)
+    torch.testing.assert_close(same[0], x, atol=1e-5, rtol=0)
+    assert torch.equal(same[1], mask)
+
+
+def test_crop_scale_changes_distillation_deterministically_and_is_validated():
+    import pytest
+
+    from fedml_fedmitr.core.config import ConfigError
+    ens = tiny_ensemble(2)
+    imgs, labels, masks = torch.randn(16, 1, 16, 16), torch.arange(16) % 10, random_mask(16, 16, 4)
+    cfg = FedMITRConfig(distill_epochs=2, distill_batch_size=8)
+    plain = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, cfg, "cpu", seed=1).state_dict()
+    crop_cfg = cfg.replace(distill_crop_scale=0.5)
+    saved = {}
+    cropped = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, crop_cfg, "cpu", seed=1,
+                              checkpoint=lambda s: saved.setdefault(s["epoch"], copy.deepcopy(s))).state_dict()
+    again = distill_student(tiny_vit(seed=7), ens, imgs, labels, masks, crop_cfg, "cpu", seed=1).state_dict()
+    resumed = distill_student(tiny_vit(seed=123), ens, imgs, labels, masks, crop_cfg, "cpu", seed=1,
+                              resume_state=saved[1]).state_dict()
+    assert not torch.equal(plain["head.weight"], cropped["head.weight"])
+    for k, v in cropped.items():
+        assert torch.equal(v, again[k]) and torch.equal(v, resumed[k]), k
+    for bad in (0.0, 1.5, -0.2):
+        with pytest.raises(ConfigError, match="distill_crop_scale"):
+            FedMITRConfig(distill_crop_scale=bad).validate()
 
 
 def test_distillation_resumes_bit_identically(tmp_path):

@@ -141,6 +141,10 @@ class FedMITRConfig:
                                         # of benchmarks/robustness.py: +12.8 [+7.2, +18.4] points on label-sorted
                                         # digits over 10 seeds, the cells above 0.5 untouched (benchmarks/README)
     distill_augment: bool = True        # flip and whole-patch shift of image and mask together
+    distill_crop_scale: float = 1.0     # < 1: each distillation image is also randomly cropped (area in
+                                        # [scale, 1], aspect ratio in [3/4, 4/3]) and resized back, its keep
+                                        # mask following (distill.crop_with_mask); the ensemble relabels the
+                                        # crop. 1: off
     student_init: str = "fedavg"        # "fedavg" of the clients, "scratch", or "pretrained"
     foreground_target: str = "ensemble"  # foreground term: "ensemble" (KL to the ensemble on the same kept
                                         # tokens) or "label" (CE to the synthesis label, the paper's). Chosen on
@@ -296,6 +300,8 @@ class FedMITRConfig:
         b = self.inversion_betas
         if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
             bad("inversion_betas", "two numbers in [0, 1)")
+        if not (0.0 < self.distill_crop_scale <= 1.0):
+            bad("distill_crop_scale", "a fraction of the image's area in (0, 1] (1: no crop)")
         if self.jitter < -1:
             bad("jitter", "-1 (automatic) or a number of pixels >= 0")
         if not (math.isfinite(self.color_shift) and self.color_shift >= 0):
@@ -399,7 +405,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
                 "distill_augment"),
     "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "kd_target_confidence",
                      "foreground_target", "drift_guard", "guard_fraction", "distill_mixup", "prox_weight", "teacher_debias",
-                     "distill_warmup_epochs", "distill_ema_epochs"),
+                     "distill_warmup_epochs", "distill_ema_epochs", "distill_crop_scale"),
     "ensemble": ("ensemble_weighting", "ensemble_aggregate", "ensemble_calibration", "trim_fraction",
                  "ensemble_batched"),
     "screening": ("client_screening", "screening_images", "screening_iters", "screening_z", "screening_min_ratio",

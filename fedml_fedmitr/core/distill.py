@@ -13,6 +13,10 @@ Mixup (``distill_mixup``, alpha 1 by default where it applies): every batch is m
 copy of itself (:func:`mix_batch`); only where every target is the ensemble's prediction on the mixed
 input (``FedMITRConfig.mixup_alpha``).
 
+Random-resized crop (``distill_crop_scale: s < 1``, :func:`crop_with_mask`): after the shift and flip,
+each image is cropped to a random area in [s, 1] of it and resized back, its keep mask following; the
+ensemble answers on the crop, so the student learns its function on more views of each pool image.
+
 Proximal term (``prox_weight: mu > 0``): mu/2 * ||w - w_start||^2 is added to every step, w_start the
 student at the start of distillation (FedAvg of the uploads, or the pretrained weights), so a
 student that starts above what the synthetic pool can teach stays near that start.
@@ -199,6 +203,43 @@ def augment_with_mask(x: torch.Tensor, mask: torch.Tensor, grid: Tuple[int, int]
     return x, new_mask
 
 
+def crop_with_mask(x: torch.Tensor, mask: torch.Tensor, grid: Tuple[int, int], patch: Tuple[int, int],
+                   scale: float, gen: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A random-resized crop of each image of a batch (area a fraction in [``scale``, 1] of the image,
+    aspect ratio in [3/4, 4/3] where it fits, position uniform inside the image), resized back to the full size
+    (bilinear), with its keep mask. The mask follows the content: each output patch is scored by the
+    share of its pixels that came from kept patches, and the same number of patches as before is kept,
+    the best covered first (ties to the lower patch id), so a batch still keeps one count per image.
+    The crop parameters come from ``gen`` (torchvision's ``RandomResizedCrop.get_params`` draws from
+    the global generator, which would make a resumed run differ); the resampling is torch's
+    ``affine_grid`` / ``grid_sample``, one call for the batch."""
+    b = x.shape[0]
+    u = torch.rand(b, 4, generator=gen)
+    area = scale + (1.0 - scale) * u[:, 0]
+    # the aspect ratio's range is narrowed where the crop would not fit (area 1: a square, the image)
+    low, high = torch.log(area.clamp(min=3 / 4)), torch.log((1.0 / area).clamp(max=4 / 3))
+    ratio = torch.exp(low + (high - low) * u[:, 1])
+    w, h = torch.sqrt(area * ratio), torch.sqrt(area / ratio)   # fractions of the image's width and height
+    cx = (1.0 - w) * (2.0 * u[:, 2] - 1.0)            # centre, in grid_sample's [-1, 1] coordinates
+    cy = (1.0 - h) * (2.0 * u[:, 3] - 1.0)
+    theta = torch.zeros(b, 2, 3)
+    theta[:, 0, 0], theta[:, 0, 2], theta[:, 1, 1], theta[:, 1, 2] = w, cx, h, cy
+    theta = theta.to(device=x.device, dtype=x.dtype)
+    sample = F.affine_grid(theta, list(x.shape), align_corners=False)
+    out = F.grid_sample(x, sample, mode="bilinear", padding_mode="border", align_corners=False)
+    gh, gw = grid
+    kept = mask.to(x.dtype).view(b, 1, gh, gw)
+    kept = kept.repeat_interleave(patch[0], dim=2).repeat_interleave(patch[1], dim=3)
+    cover = F.grid_sample(kept, sample, mode="bilinear", padding_mode="border", align_corners=False)
+    cover = F.avg_pool2d(cover, kernel_size=patch).view(b, gh * gw)
+    n = gh * gw
+    cover = cover - torch.arange(n, device=cover.device, dtype=cover.dtype) * (1e-3 / n)
+    k = int(mask[0].sum())
+    new_mask = torch.zeros_like(mask)
+    new_mask.scatter_(1, cover.topk(k, dim=1).indices, True)
+    return out, new_mask
+
+
 def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor, labels: torch.Tensor,
                     masks: torch.Tensor, cfg: FedMITRConfig, device, seed: int = 0, callbacks=None,
                     eval_fn: Optional[Callable[[nn.Module], float]] = None,
@@ -257,6 +298,8 @@ def distill_student(student: nn.Module, ensemble: Ensemble, images: torch.Tensor
             x, y, m = images[idx].to(device), labels[idx].to(device), masks[idx].to(device)
             if cfg.distill_augment:
                 x, m = augment_with_mask(x, m, grid, patch, gen, allow_flip=flip)
+            if cfg.distill_crop_scale < 1.0:
+                x, m = crop_with_mask(x, m, grid, patch, cfg.distill_crop_scale, gen)
             if mixup > 0:
                 x = mix_batch(x, mixup, gen)
             with autocast(device, cfg.autocast):
