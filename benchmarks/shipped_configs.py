@@ -123,6 +123,81 @@ def run_one(name: str, seed: int, py: str, work: Path,
             "client_test_acc": s.get("client_test_acc"), "wall_s": wall}
 
 
+# fedmitr_args keys that change what a run writes or shows, not what it computes
+OUTPUT_ONLY = ("output_dir", "progress", "save_images", "tensorboard", "resume")
+
+
+def server_seed_run(name: str, seed: int, server_seed: int, py: str, work: Path,
+                    overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The server of run (``name``, ``seed``) again, alone, on the uploads that run saved, with
+    ``fedmitr_args.seed: server_seed`` (the server's synthesis and distillation draws; the clients stay
+    those of ``common_args.random_seed``): ``python -m fedml_fedmitr.server_only``. Results in
+    ``fedmitr_output/shipped/<name>_s<seed>_server<server_seed>/``; a finished run there with the same
+    settings and uploads is read, not rerun."""
+    spec = CONFIGS[name]
+    if name == "stock_main":
+        raise SystemExit("--server-seeds: stock_main's server data is its own main.py's; rerun it with --seeds instead")
+    run_dir = OUT / f"{name}_s{seed}"
+    uploads = run_dir / "state" / "uploads.pt"
+    if not (ROOT / uploads).exists():
+        raise SystemExit(f"--server-seeds: {uploads} does not exist; run "
+                         f"`python benchmarks/shipped_configs.py --configs {name} --seeds {seed}` first")
+    out_dir = OUT / f"{name}_s{seed}_server{server_seed}"
+    src = spec["files"].get("server", spec["files"].get("cfg"))
+    path = work / f"{name}_s{seed}_server{server_seed}.yaml"
+    cfg = seeded_copy(ROOT / src, path, seed, str(out_dir), dict(overrides or {}, seed=server_seed, save_images=False))
+    wanted = {k: v for k, v in cfg["fedmitr_args"].items() if k not in OUTPUT_ONLY}
+    shown = (f"python -m fedml_fedmitr.server_only --cf <{src} seeded> --uploads {uploads} --output_dir {out_dir} "
+             f"--fresh")
+    summary_path = ROOT / out_dir / "summary.json"
+    s = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    reused = bool(s and s.get("uploads_file") == str(uploads) and s.get("random_seed") == seed
+                  and all(s["config"]["fedmitr_args"].get(k) == v for k, v in wanted.items()))
+    wall = None
+    if not reused:
+        cmd = [py, "-m", "fedml_fedmitr.server_only", "--cf", str(path), "--uploads", str(uploads),
+               "--output_dir", str(out_dir), "--fresh"]
+        shutil.rmtree(ROOT / out_dir, ignore_errors=True)
+        (ROOT / out_dir).mkdir(parents=True)
+        t0 = time.time()
+        with open(ROOT / out_dir / "run.log", "w") as fh:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT).returncode
+        wall = time.time() - t0
+        if rc != 0 or not summary_path.exists():
+            raise SystemExit(f"{name} seed {seed} server seed {server_seed}: `{shown}` exited with {rc}; "
+                             f"see {out_dir / 'run.log'}")
+        s = json.loads(summary_path.read_text())
+    return {"config": name, "seed": seed, "server_seed": server_seed, "command": shown, "test_acc": s["test_acc"],
+            "ensemble_acc": s["ensemble_acc"], "ratio": s["test_acc"] / s["ensemble_acc"],
+            "client_test_acc": s.get("client_test_acc"), "pool_fit": (s.get("metrics", {}).get("pool") or {}).get("fit"),
+            "reused": reused, "wall_s": wall if wall is not None else s.get("timings", {}).get("total_s")}
+
+
+def server_seed_markdown(rows: List[Dict[str, Any]], commit: str, argv: str) -> str:
+    """One table per (config, seed): the global model over the server seeds, on the same uploads."""
+    lines = [f"# The server alone, over its own seeds, on the uploads of a shipped run (commit {commit})", "",
+             f"Command: `python benchmarks/shipped_configs.py {argv}`.", "",
+             "Each row reruns only the server (`python -m fedml_fedmitr.server_only`) on the client uploads the run "
+             "`<config> seed <seed>` saved, with `fedmitr_args.seed` set to the server seed: the clients, and so the "
+             f"teacher, are the same in every row. The bar (issue 18): global >= {BAR} x ensemble.", "",
+             "| config | seed | server seed | global model | ensemble | global / ensemble | >= 0.9 | pool fit |",
+             "|---|---:|---:|---:|---:|---:|:-:|---:|"]
+    groups: Dict[Any, List[Dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["config"], r["seed"]), []).append(r)
+    for (name, seed), mine in groups.items():
+        for r in mine:
+            fit = "" if r.get("pool_fit") is None else f"{r['pool_fit']:.2f}"
+            lines.append(f"| {name} | {seed} | {r['server_seed']} | {100 * r['test_acc']:.1f} | "
+                         f"{100 * r['ensemble_acc']:.1f} | {r['ratio']:.2f} | {'yes' if r['ratio'] >= BAR else 'no'} | {fit} |")
+        ratios = [r["ratio"] for r in mine]
+        passed = sum(x >= BAR for x in ratios)
+        lines.append(f"| {name} | {seed} | all {len(mine)} | {100 * sum(r['test_acc'] for r in mine) / len(mine):.1f} | "
+                     f"{100 * mine[0]['ensemble_acc']:.1f} | {sum(ratios) / len(ratios):.2f} "
+                     f"({min(ratios):.2f} - {max(ratios):.2f}) | {passed} of {len(mine)} | |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: List[Dict[str, Any]], configs: List[str], seeds: List[int], commit: str, argv: str,
              overrides: Optional[Dict[str, Any]] = None) -> str:
     changed = "".join(f", `fedmitr_args.{k}: {v}`" for k, v in (overrides or {}).items())
@@ -167,8 +242,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--python", default=sys.executable, help="the Python that runs the configs")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="fedmitr_args keys to change in every copy (the value is read as YAML)")
+    ap.add_argument("--server-seeds", nargs="+", type=int, default=None, metavar="S",
+                    help="rerun only the server of each (config, seed) run on its saved uploads, once per server "
+                         "seed (fedmitr_args.seed): how much of a run's result is the server's draw")
     args = ap.parse_args(argv)
     overrides = parse_overrides(args.set)
+    if args.server_seeds is not None:
+        return server_seeds_main(args, overrides, argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
@@ -184,6 +264,28 @@ def main(argv: Optional[List[str]] = None) -> None:
         {"commit": commit, "configs": args.configs, "seeds": args.seeds, "overrides": overrides, "bar": BAR,
          "runs": rows}, indent=2))
     md = markdown(rows, args.configs, args.seeds, commit, shown, overrides)
+    (RESULTS / f"{args.name}.md").write_text(md)
+    print(md)
+
+
+def server_seeds_main(args, overrides: Dict[str, Any], argv: Optional[List[str]]) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs:
+            for seed in args.seeds:
+                for server_seed in args.server_seeds:
+                    r = server_seed_run(name, seed, server_seed, args.python, Path(tmp), overrides)
+                    rows.append(r)
+                    print(f"{name} seed {seed} server seed {server_seed}: global {100 * r['test_acc']:.1f} "
+                          f"ensemble {100 * r['ensemble_acc']:.1f} ratio {r['ratio']:.2f}"
+                          f"{' (finished run read)' if r['reused'] else ''}", flush=True)
+    commit = git_commit()
+    shown = " ".join((argv if argv is not None else sys.argv[1:]))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(
+        {"commit": commit, "configs": args.configs, "seeds": args.seeds, "server_seeds": args.server_seeds,
+         "overrides": overrides, "bar": BAR, "runs": rows}, indent=2))
+    md = server_seed_markdown(rows, commit, shown)
     (RESULTS / f"{args.name}.md").write_text(md)
     print(md)
 

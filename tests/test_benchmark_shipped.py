@@ -85,3 +85,49 @@ def test_the_shipped_configs_the_matrix_and_the_defaults_share_one_budget():
     defaults = FedMITRConfig()
     assert (defaults.distill_epochs, defaults.distill_batch_size) == (
         robustness.BUDGET["distill_epochs"], robustness.BUDGET["distill_batch_size"])
+
+
+def _finished_server_run(root, seed, server_seed, distill_epochs=180):
+    """A summary.json as `server_only` writes it for (sp, seed) rerun with fedmitr_args.seed = server_seed."""
+    import json
+    out = root / "fedmitr_output" / "shipped" / f"sp_s{seed}_server{server_seed}"
+    out.mkdir(parents=True)
+    shipped = yaml.safe_load((ROOT / "config/fedmitr_sp.yaml").read_text())["fedmitr_args"]
+    args = {**FedMITRConfig().__dict__, **shipped, "seed": server_seed, "distill_epochs": distill_epochs,
+            "output_dir": "elsewhere", "save_images": False}
+    (out / "summary.json").write_text(json.dumps({
+        "test_acc": 0.75, "ensemble_acc": 0.85, "client_test_acc": [0.5], "random_seed": seed,
+        "uploads_file": f"fedmitr_output/shipped/sp_s{seed}/state/uploads.pt",
+        "config": {"fedmitr_args": args}, "metrics": {"pool": {"fit": 0.9}}, "timings": {"total_s": 300.0}}))
+
+
+def test_server_seeds_read_a_finished_run_with_the_same_settings_and_rerun_any_other(tmp_path, monkeypatch):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config/fedmitr_sp.yaml").write_text((ROOT / "config/fedmitr_sp.yaml").read_text())
+    monkeypatch.setattr(shipped_configs, "ROOT", tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(SystemExit, match="uploads.pt does not exist"):
+        shipped_configs.server_seed_run("sp", 1, 11, "python", work)
+    with pytest.raises(SystemExit, match="stock_main"):
+        shipped_configs.server_seed_run("stock_main", 1, 11, "python", work)
+    (tmp_path / "fedmitr_output/shipped/sp_s1/state").mkdir(parents=True)
+    (tmp_path / "fedmitr_output/shipped/sp_s1/state/uploads.pt").write_bytes(b"")
+    _finished_server_run(tmp_path, 1, 11)
+    r = shipped_configs.server_seed_run("sp", 1, 11, "false", work)   # "false": a rerun would fail
+    assert r["reused"] and r["server_seed"] == 11 and abs(r["ratio"] - 0.75 / 0.85) < 1e-9 and r["pool_fit"] == 0.9
+    # the same server seed under another budget is not that run: it is rerun (and "false" exits 1)
+    with pytest.raises(SystemExit, match="server seed 11.*exited with 1"):
+        shipped_configs.server_seed_run("sp", 1, 11, "false", work, {"distill_epochs": 90})
+    _finished_server_run(tmp_path, 1, 12, distill_epochs=90)
+    with pytest.raises(SystemExit, match="server seed 12.*exited with 1"):
+        shipped_configs.server_seed_run("sp", 1, 12, "false", work)
+
+
+def test_the_server_seed_table_counts_the_draws_that_keep_the_bar():
+    rows = [{"config": "sp", "seed": 1, "server_seed": s, "test_acc": t, "ensemble_acc": 0.5, "ratio": t / 0.5,
+             "pool_fit": 0.9} for s, t in ((1, 0.48), (11, 0.40), (12, 0.46))]
+    md = shipped_configs.server_seed_markdown(rows, "abc", "--configs sp --seeds 1 --server-seeds 1 11 12")
+    assert "| sp | 1 | 11 | 40.0 | 50.0 | 0.80 | no | 0.90 |" in md
+    assert "| sp | 1 | 1 | 48.0 | 50.0 | 0.96 | yes | 0.90 |" in md
+    assert "| sp | 1 | all 3 | 44.7 | 50.0 | 0.89 (0.80 - 0.96) | 2 of 3 | |" in md
