@@ -3,6 +3,8 @@
 
     python benchmarks/shipped_configs.py                          # all four configs, seeds 0 1 2
     python benchmarks/shipped_configs.py --configs mpi cross_silo --seeds 0 --name probe
+    python benchmarks/shipped_configs.py --configs sp --seeds 1 --server-seeds 1 11 12 --name spread
+        # only the server of run (sp, seed 1) again, on its saved uploads, per server seed
 
 Each run is the config's own command (``python -m fedml_fedmitr``, ``mpirun``, the cross-silo
 launcher ``examples/cross_silo/run_local.sh``, the stock-FedML ``examples/stock_main/main.py``) on a
