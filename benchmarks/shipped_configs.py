@@ -236,6 +236,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+def write_results(name: str, argv: Optional[List[str]], settings: Dict[str, Any], rows: List[Dict[str, Any]],
+                  make_markdown) -> None:
+    """``benchmarks/results/<name>.json`` (the commit, ``settings``, the bar and the rows) and ``.md``
+    (``make_markdown(commit, command line)``), and print the table."""
+    commit = git_commit()
+    shown = " ".join((argv if argv is not None else sys.argv[1:]))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"commit": commit, **settings, "bar": BAR, "runs": rows}, indent=2))
+    md = make_markdown(commit, shown)
+    (RESULTS / f"{name}.md").write_text(md)
+    print(md)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -259,15 +272,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 rows.append(r)
                 print(f"{name} seed {seed}: global {100 * r['test_acc']:.1f} ensemble {100 * r['ensemble_acc']:.1f} "
                       f"ratio {r['ratio']:.2f} ({r['wall_s'] / 60:.1f} min)", flush=True)
-    commit = git_commit()
-    shown = " ".join((argv if argv is not None else sys.argv[1:]))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(
-        {"commit": commit, "configs": args.configs, "seeds": args.seeds, "overrides": overrides, "bar": BAR,
-         "runs": rows}, indent=2))
-    md = markdown(rows, args.configs, args.seeds, commit, shown, overrides)
-    (RESULTS / f"{args.name}.md").write_text(md)
-    print(md)
+    write_results(args.name, argv, {"configs": args.configs, "seeds": args.seeds, "overrides": overrides},
+                  rows, lambda commit, shown: markdown(rows, args.configs, args.seeds, commit, shown, overrides))
 
 
 def server_seeds_main(args, overrides: Dict[str, Any], argv: Optional[List[str]]) -> None:
@@ -281,15 +287,8 @@ def server_seeds_main(args, overrides: Dict[str, Any], argv: Optional[List[str]]
                     print(f"{name} seed {seed} server seed {server_seed}: global {100 * r['test_acc']:.1f} "
                           f"ensemble {100 * r['ensemble_acc']:.1f} ratio {r['ratio']:.2f}"
                           f"{' (finished run read)' if r['reused'] else ''}", flush=True)
-    commit = git_commit()
-    shown = " ".join((argv if argv is not None else sys.argv[1:]))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(
-        {"commit": commit, "configs": args.configs, "seeds": args.seeds, "server_seeds": args.server_seeds,
-         "overrides": overrides, "bar": BAR, "runs": rows}, indent=2))
-    md = server_seed_markdown(rows, commit, shown)
-    (RESULTS / f"{args.name}.md").write_text(md)
-    print(md)
+    write_results(args.name, argv, {"configs": args.configs, "seeds": args.seeds, "server_seeds": args.server_seeds,
+                                    "overrides": overrides}, rows, lambda commit, shown: server_seed_markdown(rows, commit, shown))
 
 
 if __name__ == "__main__":
