@@ -16,8 +16,8 @@ class RecordingInversion(SparseModelInversion):
         super().__init__(*a, **kw)
         self.events = []
 
-    def _prune(self, x, keep, count):
-        new_keep = super()._prune(x, keep, count)
+    def _prune(self, x, keep, count, labels=None):
+        new_keep = super()._prune(x, keep, count, labels)
         self.events.append((x.clone(), keep.clone(), new_keep.clone()))
         return new_keep
 
@@ -218,3 +218,70 @@ def test_inversion_init_std_sets_the_starting_noise():
     assert noisy.abs().max() > 0.3 and noisy.std() > 10 * flat.std()
     with pytest.raises(ConfigError, match="inversion_init_std"):
         FedMITRConfig(inversion_init_std=-1.0)
+
+
+def _owned_ensemble():
+    """Two tiny clients: client 0 holds only class 0, client 1 only class 1 (label counts known)."""
+    from fedml_fedmitr.core.ensemble import Ensemble, client_weights
+    counts = [[50, 0] + [5] * 8, [0, 40] + [5] * 8]
+    models = [tiny_vit(seed=i) for i in range(2)]
+    return Ensemble(models, client_weights("mean", [1, 1], counts, 10), batched="loop",
+                    label_counts=torch.tensor(counts, dtype=torch.float32))
+
+
+def test_class_share_attention_ranks_patches_by_the_clients_that_hold_the_class():
+    cfg = FedMITRConfig(inversion_iters=12, prune_at=[3, 6], prune_ratio=0.4, jitter=1, feature_weight=0.0,
+                        attention_weighting="class_share")
+    inv = RecordingInversion(_owned_ensemble(), cfg, (1, 16, 16), [0.3], [0.35], "cpu")
+    labels = torch.tensor([0, 1, 0, 1])
+    inv.synthesize(labels, seed=3)
+    assert len(inv.events) == 2
+    for x, old, new in inv.events:
+        _, attn = inv.ensemble.client_logits(x, old, return_attn=True)   # (2, B, k)
+        owner = attn[labels, torch.arange(4)]        # image b ranked by the client that holds its class
+        expected = old.gather(1, owner.topk(new.shape[1], dim=1).indices).sort(1).values
+        assert torch.equal(new, expected)
+        mean_rank = old.gather(1, attn.mean(0).topk(new.shape[1], dim=1).indices).sort(1).values
+        assert not torch.equal(new, mean_rank)        # the weighting changed which patches stay
+    # the shares: a class's column sums to 1; classes 2-9 are held equally
+    from fedml_fedmitr.core.inversion import class_shares
+    shares = class_shares(inv.ensemble)
+    assert torch.allclose(shares[:, :2], torch.eye(2)) and torch.allclose(shares[:, 2:], torch.full((2, 8), 0.5))
+
+
+def test_class_share_attention_needs_the_label_counts():
+    cfg = FedMITRConfig(inversion_iters=8, prune_at=[2], attention_weighting="class_share", feature_weight=0.0)
+    ens = tiny_ensemble(2)
+    ens.label_counts = None
+    with pytest.raises(ValueError, match="attention_weighting"):
+        SparseModelInversion(ens, cfg, (1, 16, 16), [0.3], [0.35], "cpu")
+
+
+def test_final_mask_recompute_takes_the_top_attention_patches_of_the_final_image():
+    base = FedMITRConfig(inversion_iters=12, prune_at=[3, 6], prune_ratio=0.4, jitter=1)
+    labels = torch.arange(6) % 10
+    last = make(base)
+    kept = last.synthesize(labels, seed=2)
+    assert torch.equal(kept.masks, torch.zeros(6, 16, dtype=torch.bool).scatter_(1, last.events[-1][2], True))
+    redo = make(base.replace(final_mask="recompute"))
+    batch = redo.synthesize(labels, seed=2)
+    assert torch.equal(batch.images, kept.images)     # the images are the same; only the mask is recomputed
+    count = base.keep_counts(16)[-1]
+    assert batch.masks.sum(1).tolist() == [count] * 6
+    _, attn = redo.ensemble(batch.images, None, return_attn=True)
+    expected = torch.zeros(6, 16, dtype=torch.bool).scatter_(1, attn.topk(count, dim=1).indices, True)
+    assert torch.equal(batch.masks, expected)
+    assert not torch.equal(batch.masks, kept.masks)   # halted patches can come back into the foreground
+
+
+def test_mask_options_are_validated_and_declared_unused_where_there_is_no_mask():
+    from fedml_fedmitr.core.methods import get_method
+    with pytest.raises(ConfigError, match="attention_weighting"):
+        FedMITRConfig.from_dict({"attention_weighting": "per_class"})
+    with pytest.raises(ConfigError, match="final_mask"):
+        FedMITRConfig.from_dict({"final_mask": "final"})
+    keys = ["attention_weighting", "final_mask"]
+    assert get_method("FedMITR").unused_keys(keys) == []
+    assert get_method("DeepInversion").unused_keys(keys) == keys
+    assert get_method("FedMITR-kd").unused_keys(keys) == ["final_mask"]
+    assert get_method("FedMITR-dense").unused_keys(keys) == ["final_mask"]

@@ -32,7 +32,7 @@ def real_pool_method(base_name: str, images):
                 x = images[i:i + bs].to(ctx.device)
                 with torch.no_grad():
                     y = self.ensemble(x).argmax(1)
-                pool.add(SyntheticBatch(x, y, inv.attention_mask(x, fraction)))
+                pool.add(SyntheticBatch(x, y, inv.attention_mask(x, fraction, y)))
             return pool
 
     return RealPool

@@ -39,6 +39,8 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "drift_guard": ("none", "pool_agreement"),
     "teacher_debias": ("none", "pool"),
     "autocast": ("auto", "off", "bf16"),
+    "attention_weighting": ("mean", "class_share"),
+    "final_mask": ("last_prune", "recompute"),
 }
 
 # Prune schedules (fractions of inversion_iters). SMI's points suit its thousands of steps; with
@@ -109,6 +111,12 @@ class FedMITRConfig:
                                         # 0.15 (64 -> 54 -> 46 -> 39 -> 33 patches at four points) chosen on the
                                         # validation split of benchmarks/robustness.py: +1.4 [+0.6, +2.2] points
                                         # over 40 pairs against 0.3 (#18)
+    attention_weighting: str = "mean"   # how the clients' CLS attention is combined to rank patches: "mean", or
+                                        # "class_share" (each client's attention weighted by its share of the
+                                        # image's target class, from the label counts) [beyond the paper]
+    final_mask: str = "last_prune"      # the foreground mask of an image: the patches the last prune point kept
+                                        # ("last_prune"), or "recompute": the top patches of the ensemble's
+                                        # attention on the final image, all tokens in, as many [beyond the paper]
 
     # ---- token relabel distillation (stage 2) ----
     distill_mode: str = "token_relabel"  # or "kd_full" (plain KD, full images), "ce_foreground"
@@ -400,7 +408,8 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
                   "inversion_init_std",
                   "tv_weight", "jitter", "flip", "color_shift", "competition_weight", "feature_weight", "feature_tokens",
                   "feature_prior",
-                  "boundary_fraction", "inversion", "prune_at", "prune_fractions", "prune_ratio"),
+                  "boundary_fraction", "inversion", "prune_at", "prune_fractions", "prune_ratio", "attention_weighting",
+                  "final_mask"),
     "student": ("student_init", "distill_optimizer", "distill_lr", "distill_weight_decay", "distill_batch_size",
                 "distill_augment"),
     "distillation": ("distill_mode", "distill_epochs", "relabel_weight", "kd_temperature", "kd_target_confidence",

@@ -23,6 +23,14 @@ full forward (no gradient) measures their block inputs, and the moments pool the
 With ``feature_prior: per_class`` the prior is class-conditional (:func:`class_feature_stats_loss`):
 the batch's images of each class are matched to what the clients that hold the class measured on
 their images of it.
+
+Two choices beyond the paper decide which patches are the foreground. ``attention_weighting:
+class_share`` ranks the patches by the clients' attention weighted by each client's share of the
+image's target class (its label count over all clients' count of the class; the clients' mean for a
+class no client holds), instead of the clients' mean: the patches that matter are judged by the clients
+that know the class. ``final_mask: recompute`` recomputes the keep mask once inversion ends, on the
+final image with every token in the forward pass, keeping as many patches as the last prune point
+kept; by default (``last_prune``) the mask is the set the last prune point left to be inverted.
 """
 from __future__ import annotations
 
@@ -160,6 +168,17 @@ def indices_of(mask: torch.Tensor) -> torch.Tensor:
     return mask.nonzero()[:, 1].view(mask.shape[0], -1)
 
 
+def class_shares(ensemble: Ensemble) -> torch.Tensor:
+    """(K, C) each client's share of each class's training images (its label count over all the clients'
+    count of the class); 1/K for a class no client holds. A ValueError if the clients sent no label counts."""
+    if ensemble.label_counts is None:
+        raise ValueError("fedmitr_args.attention_weighting = 'class_share' weights each client's attention by its "
+                         "share of the class, but the clients' label counts are not known; use 'mean'")
+    counts = ensemble.label_counts.float()
+    totals = counts.sum(0, keepdim=True)
+    return torch.where(totals > 0, counts / totals.clamp_min(1.0), torch.full_like(counts, 1.0 / counts.shape[0]))
+
+
 class SparseModelInversion:
     """Synthesizer: inverts the ensemble into images, pruning low-attention patches as it goes."""
 
@@ -196,14 +215,35 @@ class SparseModelInversion:
         self.keep_counts = cfg.keep_counts(self.num_patches) if self.prune_points else []
         self.callbacks = callbacks
         self.jitter, self.flip = resolve_augmentation(cfg, min(self.h, self.w), client_augment, client_flip)
+        # attention_weighting: class_share, the (K, C) weights of the clients' attention per target class
+        self.attention_shares = None
+        if cfg.attention_weighting == "class_share":
+            self.attention_shares = class_shares(ensemble).to(self.device)
 
-    def _prune(self, x: torch.Tensor, keep: torch.Tensor, count: int) -> torch.Tensor:
+    def _prune(self, x: torch.Tensor, keep: torch.Tensor, count: int,
+               labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Keep the ``count`` currently-kept patches of highest ensemble CLS attention."""
-        with torch.no_grad(), autocast(self.device, self.cfg.autocast):
-            _, attn = self.ensemble(x, keep, return_attn=True)       # (B, k_current)
-        attn = attn.float()
+        attn = self.attention(x, keep, labels)                       # (B, k_current)
         top = attn.topk(count, dim=1).indices
         return keep.gather(1, top).sort(dim=1).values
+
+    @torch.no_grad()
+    def attention(self, x: torch.Tensor, keep: Optional[torch.Tensor] = None,
+                  labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, k) last-block CLS-to-patch attention of the ensemble on the tokens ``keep`` (all: None): the
+        clients' mean, or with ``attention_weighting: class_share`` each client's attention weighted by its
+        share of the image's label in ``labels``."""
+        if self.attention_shares is None:
+            with autocast(self.device, self.cfg.autocast):
+                _, attn = self.ensemble(x, keep, return_attn=True)
+            return attn.float()
+        if labels is None:
+            raise ValueError("attention_weighting: class_share weights the clients by their share of each image's "
+                             "class: the images' labels are needed")
+        with autocast(self.device, self.cfg.autocast):
+            _, attn = self.ensemble.client_logits(x, keep, return_attn=True)   # (K, B, k)
+        w = self.attention_shares[:, labels.to(self.attention_shares.device)]  # (K, B)
+        return (attn.float() * w.unsqueeze(-1)).sum(0)
 
     def _color_shift(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """x * exp(u1) + u2 with u1, u2 ~ U(-s, s) per image and channel (Plug-In Inversion's ColorShift)."""
@@ -231,7 +271,7 @@ class SparseModelInversion:
         halted_sums = None   # per client, the halted patches' block-input sums (feature_tokens: all)
         for it in range(cfg.inversion_iters):
             if it in prune_step:
-                keep = self._prune(x.detach(), keep, self.keep_counts[prune_step[it]])
+                keep = self._prune(x.detach(), keep, self.keep_counts[prune_step[it]], labels)
                 kept_mask = torch.zeros_like(kept_mask).scatter_(1, keep, True)
                 frozen_px = ~patch_mask_to_pixels(kept_mask, self.grid, self.patch, (self.h, self.w))
                 if self.feature_stats is not None and cfg.feature_tokens == "all":
@@ -290,8 +330,8 @@ class SparseModelInversion:
         if bar is not None:
             bar.close()
         x = x.detach()
-        if not self.prune_points:
-            kept_mask = self.attention_mask(x, self.cfg.keep_fraction(self.num_patches))
+        if not self.prune_points or cfg.final_mask == "recompute":
+            kept_mask = self.attention_mask(x, self.cfg.keep_fraction(self.num_patches), labels)
         return SyntheticBatch(x, labels, kept_mask)
 
     def soft_targets(self, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -309,9 +349,14 @@ class SparseModelInversion:
         return targets
 
     @torch.no_grad()
-    def attention_mask(self, x: torch.Tensor, fraction: float) -> torch.Tensor:
-        """Foreground mask from the ensemble's attention on the full images (for a dense pool)."""
+    def attention_mask(self, x: torch.Tensor, fraction: float, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Foreground mask from the ensemble's attention on the full images (a dense pool, real images, or
+        ``final_mask: recompute``); ``labels`` are the images' classes (needed by ``attention_weighting:
+        class_share``)."""
         count = max(1, int(round(self.num_patches * fraction)))
-        _, attn = self.ensemble(x, None, return_attn=True)
+        if self.attention_shares is None:   # the default path, as it always ran (full precision)
+            _, attn = self.ensemble(x, None, return_attn=True)
+        else:
+            attn = self.attention(x, None, labels)
         top = attn.topk(count, dim=1).indices
         return torch.zeros(x.shape[0], self.num_patches, dtype=torch.bool, device=x.device).scatter_(1, top, True)

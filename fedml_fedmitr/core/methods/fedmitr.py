@@ -128,7 +128,7 @@ class DeepInversion(FedMITR):
 
     name = "DeepInversion"
     forced = ("inversion", "distill_mode", "kd_temperature", "kd_target_confidence", "relabel_weight",
-              "foreground_target")
+              "foreground_target", "attention_weighting", "final_mask")   # dense, full images: no mask
     temperature_keys = ("baseline_kd_temperature", "baseline_kd_target_confidence")
 
     def __init__(self, config: Optional[FedMITRConfig] = None):
@@ -147,7 +147,8 @@ class FedMITRDense(FedMITR):
     """Ablation: dense inversion + token relabel (mask from attention)."""
 
     name = "FedMITR-dense"
-    forced = ("inversion",)   # the prune schedule still sizes the foreground of the masks
+    forced = ("inversion", "final_mask")   # the prune schedule still sizes the foreground of the masks,
+                                           # which are always computed on the final images
 
     def __init__(self, config: Optional[FedMITRConfig] = None):
         super().__init__((config or FedMITRConfig()).replace(inversion="dense"))
@@ -158,7 +159,7 @@ class FedMITRKD(FedMITR):
     """Ablation: sparse inversion + plain KD on full images."""
 
     name = "FedMITR-kd"
-    forced = ("distill_mode", "relabel_weight", "foreground_target")
+    forced = ("distill_mode", "relabel_weight", "foreground_target", "final_mask")   # full images: no mask
 
     def __init__(self, config: Optional[FedMITRConfig] = None):
         super().__init__((config or FedMITRConfig()).replace(distill_mode="kd_full"))
