@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import FedMITRConfig, resolve_augmentation
-from .ensemble import Ensemble
+from .ensemble import Ensemble, client_weights
 from .models import autocast, forward_tokens, group_moments, patch_token_sums, pooled_moments
 
 
@@ -174,9 +174,8 @@ def class_shares(ensemble: Ensemble) -> torch.Tensor:
     if ensemble.label_counts is None:
         raise ValueError("fedmitr_args.attention_weighting = 'class_share' weights each client's attention by its "
                          "share of the class, but the clients' label counts are not known; use 'mean'")
-    counts = ensemble.label_counts.float()
-    totals = counts.sum(0, keepdim=True)
-    return torch.where(totals > 0, counts / totals.clamp_min(1.0), torch.full_like(counts, 1.0 / counts.shape[0]))
+    counts = ensemble.label_counts.tolist()
+    return client_weights("per_class", [0] * len(counts), counts, len(counts[0]))   # the ensemble's per-class weights
 
 
 class SparseModelInversion:
@@ -229,18 +228,19 @@ class SparseModelInversion:
 
     @torch.no_grad()
     def attention(self, x: torch.Tensor, keep: Optional[torch.Tensor] = None,
-                  labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  labels: Optional[torch.Tensor] = None, full_precision: bool = False) -> torch.Tensor:
         """(B, k) last-block CLS-to-patch attention of the ensemble on the tokens ``keep`` (all: None): the
         clients' mean, or with ``attention_weighting: class_share`` each client's attention weighted by its
-        share of the image's label in ``labels``."""
+        share of the image's label in ``labels``. The forward runs under ``autocast`` unless ``full_precision``."""
+        precision = "off" if full_precision else self.cfg.autocast
         if self.attention_shares is None:
-            with autocast(self.device, self.cfg.autocast):
+            with autocast(self.device, precision):
                 _, attn = self.ensemble(x, keep, return_attn=True)
             return attn.float()
         if labels is None:
             raise ValueError("attention_weighting: class_share weights the clients by their share of each image's "
                              "class: the images' labels are needed")
-        with autocast(self.device, self.cfg.autocast):
+        with autocast(self.device, precision):
             _, attn = self.ensemble.client_logits(x, keep, return_attn=True)   # (K, B, k)
         w = self.attention_shares[:, labels.to(self.attention_shares.device)]  # (K, B)
         return (attn.float() * w.unsqueeze(-1)).sum(0)
@@ -354,9 +354,6 @@ class SparseModelInversion:
         ``final_mask: recompute``); ``labels`` are the images' classes (needed by ``attention_weighting:
         class_share``)."""
         count = max(1, int(round(self.num_patches * fraction)))
-        if self.attention_shares is None:   # the default path, as it always ran (full precision)
-            _, attn = self.ensemble(x, None, return_attn=True)
-        else:
-            attn = self.attention(x, None, labels)
+        attn = self.attention(x, None, labels, full_precision=True)
         top = attn.topk(count, dim=1).indices
         return torch.zeros(x.shape[0], self.num_patches, dtype=torch.bool, device=x.device).scatter_(1, top, True)
