@@ -27,6 +27,7 @@ setup(
         "fedml==0.9.6",
         "setuptools<81",        # fedml 0.9.6 imports pkg_resources
         "numpy<2",              # fedml 0.9.6's pin
+        "sentry-sdk<3",         # fedml 0.9.6 pins wandb 0.13.2, whose import calls sentry_sdk.Hub (gone in 3.0)
         "torch>=2.1",
         "torchvision>=0.16",
         "timm>=0.9",
