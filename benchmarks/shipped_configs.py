@@ -5,6 +5,8 @@
     python benchmarks/shipped_configs.py --configs mpi cross_silo --seeds 0 --name probe
     python benchmarks/shipped_configs.py --configs sp --seeds 1 --server-seeds 1 11 12 --name spread
         # only the server of run (sp, seed 1) again, on its saved uploads, per server seed
+    python benchmarks/shipped_configs.py --change shipped_a1,shipped_a2 shipped_b --name b_minus_a
+        # the paired change of the global model from result(s) A to result(s) B, on the same uploads
 
 Each run is the config's own command (``python -m fedml_fedmitr``, ``mpirun``, the cross-silo
 launcher ``examples/cross_silo/run_local.sh``, the stock-FedML ``examples/stock_main/main.py``) on a
@@ -249,6 +251,112 @@ def write_results(name: str, argv: Optional[List[str]], settings: Dict[str, Any]
     print(md)
 
 
+def load_runs(names: str) -> Dict[Any, Dict[str, Any]]:
+    """The runs of one or more results (``NAME1,NAME2``: ``benchmarks/results/NAME.json`` of this script's
+    plain mode) by ``(config, seed)``; a (config, seed) found twice is refused."""
+    out: Dict[Any, Dict[str, Any]] = {}
+    for name in [x.strip() for x in names.split(",") if x.strip()]:
+        path = RESULTS / f"{name}.json"
+        if not path.is_file():
+            raise SystemExit(f"--change: no result {name}.json in benchmarks/results (expected the --name of a "
+                             "shipped_configs.py run)")
+        blob = json.loads(path.read_text())
+        if "server_seeds" in blob or "runs" not in blob:
+            raise SystemExit(f"--change: {name}.json is not a result of shipped_configs.py's plain mode "
+                             "(expected runs per config and seed, not --server-seeds)")
+        for r in blob["runs"]:
+            key = (r["config"], r["seed"])
+            if key in out:
+                raise SystemExit(f"--change: config {key[0]} seed {key[1]} is in {name} and in {out[key]['source']}; "
+                                 "name each run once")
+            out[key] = dict(r, source=name, overrides=blob.get("overrides") or {})
+    if not out:
+        raise SystemExit(f"--change {names!r}: expected one or more result names, comma-separated")
+    mixed = {json.dumps(r["overrides"], sort_keys=True): r["source"] for r in out.values()}
+    if len(mixed) > 1:
+        raise SystemExit(f"--change {names!r}: its results were run with different --set overrides "
+                         f"({', '.join(f'{v}: {k}' for k, v in mixed.items())}); compare one setting per side")
+    return out
+
+
+def change_table(base: Dict[Any, Dict[str, Any]], other: Dict[Any, Dict[str, Any]]) -> Dict[str, Any]:
+    """The global model's accuracy in ``other`` minus ``base``, paired by (config, seed), per config and
+    over the distinct runs. Each pair must hold the same uploads (the same client accuracies). A pair
+    that repeats an earlier one exactly (same seed, clients and both accuracies: MPI and cross-silo run
+    the same computation over two transports) is shown but counted once in the pooled interval."""
+    from fedbench.stats import paired
+
+    pairs = [k for k in base if k in other]
+    if not pairs:
+        raise SystemExit("--change: the two sides share no (config, seed)")
+    for k in pairs:
+        if base[k]["client_test_acc"] != other[k]["client_test_acc"]:
+            raise SystemExit(f"--change: config {k[0]} seed {k[1]} holds different client uploads in {base[k]['source']} "
+                             f"and {other[k]['source']} (client accuracies {base[k]['client_test_acc']} vs "
+                             f"{other[k]['client_test_acc']}): a change is only measured on the same clients")
+    order = list(CONFIGS)
+    pairs.sort(key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[0], k[1]))
+    seen: Dict[Any, str] = {}
+    rows, pooled = [], []
+    for k in pairs:
+        b, o = base[k], other[k]
+        ident = (k[1], tuple(b["client_test_acc"] or ()), b["test_acc"], o["test_acc"])
+        repeats = seen.get(ident)
+        if repeats is None:
+            seen[ident] = k[0]
+            pooled.append(o["test_acc"] - b["test_acc"])
+        rows.append({"config": k[0], "seed": k[1], "base": b["test_acc"], "other": o["test_acc"],
+                     "base_ratio": b["ratio"], "other_ratio": o["ratio"], "change": 100 * (o["test_acc"] - b["test_acc"]),
+                     "base_minutes": b["wall_s"] / 60, "other_minutes": o["wall_s"] / 60, "repeats": repeats})
+    configs = []
+    for name in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == name]
+        configs.append({"config": name, "seeds": [r["seed"] for r in mine],
+                        "change": paired([(r["other"] - r["base"]) for r in mine]),
+                        "base_every_seed": all(r["base_ratio"] >= BAR for r in mine),
+                        "other_every_seed": all(r["other_ratio"] >= BAR for r in mine)})
+    return {"base": sorted({base[k]["source"] for k in pairs}), "other": sorted({other[k]["source"] for k in pairs}),
+            "base_overrides": base[pairs[0]]["overrides"], "other_overrides": other[pairs[0]]["overrides"],
+            "rows": rows, "configs": configs, "distinct_runs": len(pooled), "all_distinct": paired(pooled)}
+
+
+def change_markdown(t: Dict[str, Any], argv: str) -> str:
+    from fedbench.stats import fmt_paired
+
+    a, b = ", ".join(t["base"]), ", ".join(t["other"])
+    lines = [f"# The shipped configs: {b} minus {a}, on the same uploads", "",
+             f"Command: `python benchmarks/shipped_configs.py {argv}`.", "",
+             f"Overrides: A = {a} {t['base_overrides'] or 'none (the configs as shipped then)'}; B = {b} "
+             f"{t['other_overrides'] or 'none (the configs as shipped then)'}. Global model's test accuracy %, "
+             "paired by (config, seed) on the same client uploads; change in points [95% interval, t distribution]. "
+             f"The bar (issue 18): global >= {BAR} x ensemble.", "",
+             "| config | seed | global A | global B | change | global / ensemble A | B | minutes A | B |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in t["rows"]:
+        note = f" (repeats {r['repeats']})" if r["repeats"] else ""
+        lines.append(f"| {r['config']} | {r['seed']} | {100 * r['base']:.1f} | {100 * r['other']:.1f} | "
+                     f"{r['change']:+.1f}{note} | {r['base_ratio']:.2f} | {r['other_ratio']:.2f} | "
+                     f"{r['base_minutes']:.1f} | {r['other_minutes']:.1f} |")
+    lines += ["", "| config | seeds | change | >= 0.9 on every seed (A / B) |", "|---|---:|---:|---|"]
+    for c in t["configs"]:
+        lines.append(f"| {c['config']} | {len(c['seeds'])} | {fmt_paired(c['change'])} | "
+                     f"{'yes' if c['base_every_seed'] else 'no'} / {'yes' if c['other_every_seed'] else 'no'} |")
+    lines += ["", f"Over the {t['distinct_runs']} distinct runs (a run that repeats another exactly counts once): "
+              f"{fmt_paired(t['all_distinct'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def change_main(args, argv: Optional[List[str]]) -> None:
+    table = change_table(load_runs(args.change[0]), load_runs(args.change[1]))
+    commit = git_commit()
+    shown = " ".join((argv if argv is not None else sys.argv[1:]))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(dict(table, commit=commit, command=shown), indent=2))
+    md = change_markdown(table, shown)
+    (RESULTS / f"{args.name}.md").write_text(md)
+    print(md)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -260,7 +368,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--server-seeds", nargs="+", type=int, default=None, metavar="S",
                     help="rerun only the server of each (config, seed) run on its saved uploads, once per server "
                          "seed (fedmitr_args.seed): how much of a run's result is the server's draw")
+    ap.add_argument("--change", nargs=2, metavar=("A", "B"), default=None,
+                    help="no run: the paired change of the global model from result(s) A to result(s) B (each one or "
+                         "more --name values, comma-separated), on the same uploads")
     args = ap.parse_args(argv)
+    if args.change is not None:
+        return change_main(args, argv)
     overrides = parse_overrides(args.set)
     if args.server_seeds is not None:
         return server_seeds_main(args, overrides, argv)

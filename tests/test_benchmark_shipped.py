@@ -1,5 +1,6 @@
 """benchmarks/shipped_configs.py: the seeded copies it runs are the shipped configs with only the seed
 and the output folder changed, and they still validate. No child process."""
+import json
 import sys
 
 import pytest
@@ -131,3 +132,42 @@ def test_the_server_seed_table_counts_the_draws_that_keep_the_bar():
     assert "| sp | 1 | 11 | 40.0 | 50.0 | 0.80 | no | 0.90 |" in md
     assert "| sp | 1 | 1 | 48.0 | 50.0 | 0.96 | yes | 0.90 |" in md
     assert "| sp | 1 | all 3 | 44.7 | 50.0 | 0.89 (0.80 - 0.96) | 2 of 3 | |" in md
+
+
+def _write_result(monkeypatch, tmp_path, name, runs, overrides=None):
+    monkeypatch.setattr(shipped_configs, "RESULTS", tmp_path)
+    rows = [{"config": c, "seed": s, "test_acc": t, "ensemble_acc": 0.9, "ratio": t / 0.9,
+             "client_test_acc": clients, "wall_s": 120.0} for c, s, t, clients in runs]
+    (tmp_path / f"{name}.json").write_text(json.dumps({"commit": "abc", "configs": [], "seeds": [],
+                                                       "overrides": overrides or {}, "bar": 0.9, "runs": rows}))
+
+
+def test_change_pairs_runs_by_config_and_seed_and_counts_a_repeated_run_once(monkeypatch, tmp_path):
+    cl = [0.5, 0.6]
+    _write_result(monkeypatch, tmp_path, "a1", [("sp", 0, 0.80, cl), ("sp", 1, 0.70, cl)])
+    _write_result(monkeypatch, tmp_path, "a2", [("mpi", 0, 0.85, cl), ("cross_silo", 0, 0.85, cl)])
+    _write_result(monkeypatch, tmp_path, "b", [("sp", 0, 0.82, cl), ("sp", 1, 0.81, cl), ("mpi", 0, 0.86, cl),
+                                               ("cross_silo", 0, 0.86, cl), ("stock_main", 0, 0.9, cl)],
+                  {"distill_epochs": 360})
+    shipped_configs.main(["--change", "a1,a2", "b", "--name", "diff"])
+    t = json.loads((tmp_path / "diff.json").read_text())
+    assert [(r["config"], r["seed"]) for r in t["rows"]] == [("sp", 0), ("sp", 1), ("mpi", 0), ("cross_silo", 0)]
+    assert [r["repeats"] for r in t["rows"]] == [None, None, None, "mpi"]
+    assert t["distinct_runs"] == 3 and t["all_distinct"]["per_seed"] == pytest.approx([2.0, 11.0, 1.0])
+    sp = next(c for c in t["configs"] if c["config"] == "sp")
+    assert sp["change"]["mean_diff"] == pytest.approx(6.5) and not sp["base_every_seed"] and sp["other_every_seed"]
+    md = (tmp_path / "diff.md").read_text()
+    assert "| cross_silo | 0 | 85.0 | 86.0 | +1.0 (repeats mpi) |" in md and "{'distill_epochs': 360}" in md
+
+
+@pytest.mark.parametrize("case", ["other_uploads", "twice", "mixed_overrides", "missing"])
+def test_change_refuses_what_it_cannot_pair_by_name(monkeypatch, tmp_path, case):
+    _write_result(monkeypatch, tmp_path, "a", [("sp", 0, 0.8, [0.5, 0.6])])
+    _write_result(monkeypatch, tmp_path, "b", [("sp", 0, 0.8, [0.5, 0.7] if case == "other_uploads" else [0.5, 0.6])])
+    _write_result(monkeypatch, tmp_path, "c", [("sp", 0 if case == "twice" else 1, 0.8, [0.5, 0.6])],
+                  {"distill_epochs": 360} if case == "mixed_overrides" else None)
+    other = {"other_uploads": "b", "twice": "b,c", "mixed_overrides": "b,c", "missing": "nope"}[case]
+    match = {"other_uploads": "different client uploads", "twice": "config sp seed 0 is in c and in b",
+             "mixed_overrides": "different --set overrides", "missing": "no result nope.json"}[case]
+    with pytest.raises(SystemExit, match=match):
+        shipped_configs.main(["--change", "a", other, "--name", "diff"])
