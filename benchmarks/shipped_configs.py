@@ -238,14 +238,13 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write_results(name: str, argv: Optional[List[str]], settings: Dict[str, Any], rows: List[Dict[str, Any]],
-                  make_markdown) -> None:
-    """``benchmarks/results/<name>.json`` (the commit, ``settings``, the bar and the rows) and ``.md``
+def write_results(name: str, argv: Optional[List[str]], blob: Dict[str, Any], make_markdown) -> None:
+    """``benchmarks/results/<name>.json`` (the commit, then ``blob``) and ``.md``
     (``make_markdown(commit, command line)``), and print the table."""
     commit = git_commit()
     shown = " ".join((argv if argv is not None else sys.argv[1:]))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"commit": commit, **settings, "bar": BAR, "runs": rows}, indent=2))
+    (RESULTS / f"{name}.json").write_text(json.dumps({"commit": commit, **blob}, indent=2))
     md = make_markdown(commit, shown)
     (RESULTS / f"{name}.md").write_text(md)
     print(md)
@@ -297,14 +296,12 @@ def change_table(base: Dict[Any, Dict[str, Any]], other: Dict[Any, Dict[str, Any
     order = list(CONFIGS)
     pairs.sort(key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[0], k[1]))
     seen: Dict[Any, str] = {}
-    rows, pooled = [], []
+    rows = []
     for k in pairs:
         b, o = base[k], other[k]
         ident = (k[1], tuple(b["client_test_acc"] or ()), b["test_acc"], o["test_acc"])
-        repeats = seen.get(ident)
-        if repeats is None:
-            seen[ident] = k[0]
-            pooled.append(o["test_acc"] - b["test_acc"])
+        repeats = seen.setdefault(ident, k[0])
+        repeats = None if repeats == k[0] else repeats
         rows.append({"config": k[0], "seed": k[1], "base": b["test_acc"], "other": o["test_acc"],
                      "base_ratio": b["ratio"], "other_ratio": o["ratio"], "change": 100 * (o["test_acc"] - b["test_acc"]),
                      "base_minutes": b["wall_s"] / 60, "other_minutes": o["wall_s"] / 60, "repeats": repeats})
@@ -312,9 +309,10 @@ def change_table(base: Dict[Any, Dict[str, Any]], other: Dict[Any, Dict[str, Any
     for name in dict.fromkeys(r["config"] for r in rows):
         mine = [r for r in rows if r["config"] == name]
         configs.append({"config": name, "seeds": [r["seed"] for r in mine],
-                        "change": paired([(r["other"] - r["base"]) for r in mine]),
+                        "change": paired([r["other"] - r["base"] for r in mine]),
                         "base_every_seed": all(r["base_ratio"] >= BAR for r in mine),
                         "other_every_seed": all(r["other_ratio"] >= BAR for r in mine)})
+    pooled = [r["other"] - r["base"] for r in rows if r["repeats"] is None]
     return {"base": sorted({base[k]["source"] for k in pairs}), "other": sorted({other[k]["source"] for k in pairs}),
             "base_overrides": base[pairs[0]]["overrides"], "other_overrides": other[pairs[0]]["overrides"],
             "rows": rows, "configs": configs, "distinct_runs": len(pooled), "all_distinct": paired(pooled)}
@@ -348,13 +346,8 @@ def change_markdown(t: Dict[str, Any], argv: str) -> str:
 
 def change_main(args, argv: Optional[List[str]]) -> None:
     table = change_table(load_runs(args.change[0]), load_runs(args.change[1]))
-    commit = git_commit()
     shown = " ".join((argv if argv is not None else sys.argv[1:]))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(dict(table, commit=commit, command=shown), indent=2))
-    md = change_markdown(table, shown)
-    (RESULTS / f"{args.name}.md").write_text(md)
-    print(md)
+    write_results(args.name, argv, dict(table, command=shown), lambda commit, cmd: change_markdown(table, cmd))
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -385,8 +378,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                 rows.append(r)
                 print(f"{name} seed {seed}: global {100 * r['test_acc']:.1f} ensemble {100 * r['ensemble_acc']:.1f} "
                       f"ratio {r['ratio']:.2f} ({r['wall_s'] / 60:.1f} min)", flush=True)
-    write_results(args.name, argv, {"configs": args.configs, "seeds": args.seeds, "overrides": overrides},
-                  rows, lambda commit, shown: markdown(rows, args.configs, args.seeds, commit, shown, overrides))
+    write_results(args.name, argv, {"configs": args.configs, "seeds": args.seeds, "overrides": overrides,
+                                    "bar": BAR, "runs": rows},
+                  lambda commit, shown: markdown(rows, args.configs, args.seeds, commit, shown, overrides))
 
 
 def server_seeds_main(args, overrides: Dict[str, Any], argv: Optional[List[str]]) -> None:
@@ -401,7 +395,8 @@ def server_seeds_main(args, overrides: Dict[str, Any], argv: Optional[List[str]]
                           f"ensemble {100 * r['ensemble_acc']:.1f} ratio {r['ratio']:.2f}"
                           f"{' (finished run read)' if r['reused'] else ''}", flush=True)
     write_results(args.name, argv, {"configs": args.configs, "seeds": args.seeds, "server_seeds": args.server_seeds,
-                                    "overrides": overrides}, rows, lambda commit, shown: server_seed_markdown(rows, commit, shown))
+                                    "overrides": overrides, "bar": BAR, "runs": rows},
+                  lambda commit, shown: server_seed_markdown(rows, commit, shown))
 
 
 if __name__ == "__main__":
