@@ -238,11 +238,16 @@ def git_commit() -> str:
         return "unknown"
 
 
+def command_line(argv: Optional[List[str]]) -> str:
+    """The arguments this script was run with, as one string for the results files."""
+    return " ".join(argv if argv is not None else sys.argv[1:])
+
+
 def write_results(name: str, argv: Optional[List[str]], blob: Dict[str, Any], make_markdown) -> None:
     """``benchmarks/results/<name>.json`` (the commit, then ``blob``) and ``.md``
     (``make_markdown(commit, command line)``), and print the table."""
     commit = git_commit()
-    shown = " ".join((argv if argv is not None else sys.argv[1:]))
+    shown = command_line(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps({"commit": commit, **blob}, indent=2))
     md = make_markdown(commit, shown)
@@ -300,8 +305,8 @@ def change_table(base: Dict[Any, Dict[str, Any]], other: Dict[Any, Dict[str, Any
     for k in pairs:
         b, o = base[k], other[k]
         ident = (k[1], tuple(b["client_test_acc"] or ()), b["test_acc"], o["test_acc"])
-        repeats = seen.setdefault(ident, k[0])
-        repeats = None if repeats == k[0] else repeats
+        first = seen.setdefault(ident, k[0])
+        repeats = first if first != k[0] else None
         rows.append({"config": k[0], "seed": k[1], "base": b["test_acc"], "other": o["test_acc"],
                      "base_ratio": b["ratio"], "other_ratio": o["ratio"], "change": 100 * (o["test_acc"] - b["test_acc"]),
                      "base_minutes": b["wall_s"] / 60, "other_minutes": o["wall_s"] / 60, "repeats": repeats})
@@ -346,8 +351,7 @@ def change_markdown(t: Dict[str, Any], argv: str) -> str:
 
 def change_main(args, argv: Optional[List[str]]) -> None:
     table = change_table(load_runs(args.change[0]), load_runs(args.change[1]))
-    shown = " ".join((argv if argv is not None else sys.argv[1:]))
-    write_results(args.name, argv, dict(table, command=shown), lambda commit, cmd: change_markdown(table, cmd))
+    write_results(args.name, argv, dict(table, command=command_line(argv)), lambda commit, cmd: change_markdown(table, cmd))
 
 
 def main(argv: Optional[List[str]] = None) -> None:
