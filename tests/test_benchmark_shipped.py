@@ -88,13 +88,15 @@ def test_the_shipped_configs_the_matrix_and_the_defaults_share_one_budget():
         robustness.BUDGET["distill_epochs"], robustness.BUDGET["distill_batch_size"])
 
 
-def _finished_server_run(root, seed, server_seed, distill_epochs=180):
-    """A summary.json as `server_only` writes it for (sp, seed) rerun with fedmitr_args.seed = server_seed."""
+def _finished_server_run(root, seed, server_seed, distill_epochs=None):
+    """A summary.json as `server_only` writes it for (sp, seed) rerun with fedmitr_args.seed = server_seed
+    (at the shipped budget unless distill_epochs is given)."""
     import json
     out = root / "fedmitr_output" / "shipped" / f"sp_s{seed}_server{server_seed}"
     out.mkdir(parents=True)
     shipped = yaml.safe_load((ROOT / "config/fedmitr_sp.yaml").read_text())["fedmitr_args"]
-    args = {**FedMITRConfig().__dict__, **shipped, "seed": server_seed, "distill_epochs": distill_epochs,
+    args = {**FedMITRConfig().__dict__, **shipped, "seed": server_seed,
+            "distill_epochs": shipped["distill_epochs"] if distill_epochs is None else distill_epochs,
             "output_dir": "elsewhere", "save_images": False}
     (out / "summary.json").write_text(json.dumps({
         "test_acc": 0.75, "ensemble_acc": 0.85, "client_test_acc": [0.5], "random_seed": seed,
