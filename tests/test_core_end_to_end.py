@@ -59,6 +59,23 @@ def test_fedmitr_on_digits_beats_chance_and_the_ensemble_beats_its_clients(feder
     assert m["num_synthetic"] == 200
     assert m["timings"]["synthesis_s"] > 0 and m["timings"]["distill_s"] > 0
     assert len(m["per_class_acc"]) == 10
+    assert sum(m["predicted_per_class"]) == 360 == sum(m["ensemble_predicted_per_class"])
+
+
+def test_missed_classes_are_those_the_ensemble_gets_right_and_the_global_model_never_predicts():
+    from fedml_fedmitr.core.evaluate import evaluate_logits, missed_classes
+
+    x = torch.arange(6.0).unsqueeze(1)
+    y = torch.tensor([0, 0, 1, 1, 2, 2])
+    batches = [(x[:4], y[:4]), (x[4:], y[4:])]
+    # predicts class 0 for every input
+    res = evaluate_logits(lambda t: torch.tensor([[1.0, 0.0, 0.0]]).expand(t.shape[0], 3), batches, "cpu", 3)
+    assert res["predicted_per_class"] == [6, 0, 0] and res["per_class_acc"] == [1.0, 0.0, 0.0]
+    # the ensemble right on classes 0 and 2 (class 1 never): only class 2 is missed
+    assert missed_classes(res["predicted_per_class"], [0.5, 0.0, 0.25]) == [2]
+    assert missed_classes([2, 2, 2], [0.5, 0.5, 0.5]) == []
+    assert missed_classes([6, 0, 0], [1.0, None, 0.5]) == [2]     # a class absent from the test set is skipped
+    assert missed_classes(None, [1.0, 1.0, 1.0]) is None
 
 
 def test_same_seed_same_global_model(federation):

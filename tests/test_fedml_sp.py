@@ -90,5 +90,9 @@ def test_sp_end_to_end_offline(tmp_path, tmp_home, procs):
     assert history["inversion/loss"] and history["inversion/kept_tokens"]
     assert [step for step, _ in history["distill/loss"]] == list(range(len(history["distill/loss"])))
     assert len(summary["per_class_acc"]["global"]) == 10 and len(summary["per_class_acc"]["ensemble"]) == 10
+    # what each model predicts, per class, over the 360 test images, and the collapse measure read from it
+    assert sum(summary["predicted_per_class"]["global"]) == 360 == sum(summary["predicted_per_class"]["ensemble"])
+    assert summary["missed_classes"] == [c for c in range(10) if summary["per_class_acc"]["ensemble"][c] > 0
+                                         and summary["predicted_per_class"]["global"][c] == 0]
     assert history["summary/test_acc"] == [[0, summary["test_acc"]]]
     assert "summary/per_class_acc/ensemble/9" in history and "summary/timings/synthesis_s" in history

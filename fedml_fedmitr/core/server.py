@@ -24,7 +24,7 @@ import torch
 
 from .checkpoint import write_text
 from .config import FedMITRConfig, resolve_augmentation
-from .evaluate import evaluate_model
+from .evaluate import evaluate_model, missed_classes
 from .methods import get_method
 from .methods.base import ClientUpload, ServerContext, ServerResult
 from .models import load_state_checked, save_global_model
@@ -167,7 +167,17 @@ class OutputWriter:
             },
             "per_class_acc": {"global": metrics.get("per_class_acc"),
                               "ensemble": metrics.get("ensemble_per_class_acc")},
+            # how many test inputs each assigns to each class
+            "predicted_per_class": {"global": metrics.get("predicted_per_class"),
+                                    "ensemble": metrics.get("ensemble_predicted_per_class")},
         }
+        # a collapse (#18): classes the ensemble gets right at least once that the global model never predicts
+        missed = missed_classes(metrics.get("predicted_per_class"), metrics.get("ensemble_per_class_acc"))
+        summary["missed_classes"] = missed
+        if missed:
+            log.warning("server: the global model never predicts class(es) %s, which the ensemble gets right on "
+                        "some test inputs (a collapse; per class: summary.json per_class_acc, predicted_per_class)",
+                        missed)
         screening = metrics.get("screening")
         # clients the poisoned-upload screen (fedmitr_args.client_screening) left out, with the reason
         summary["screening"] = screening

@@ -264,9 +264,10 @@ class ServerMethod(abc.ABC):
         res = evaluate_model(model, ctx.eval_loader, ctx.device, ctx.num_classes)
         ens = evaluate_ensemble(self.ensemble, ctx.eval_loader, ctx.device, ctx.num_classes)
         return {"test_acc": res["acc"], "test_loss": res["loss"],
-                "per_class_acc": res["per_class_acc"],
+                "per_class_acc": res["per_class_acc"], "predicted_per_class": res["predicted_per_class"],
                 "ensemble_acc": ens["acc"], "ensemble_loss": ens["loss"],
-                "ensemble_per_class_acc": ens["per_class_acc"]}
+                "ensemble_per_class_acc": ens["per_class_acc"],
+                "ensemble_predicted_per_class": ens["predicted_per_class"]}
 
     def num_synthetic(self, pool: Any) -> int:
         return 0 if pool is None else len(pool)
