@@ -42,11 +42,24 @@ def test_a_config_without_the_seed_key_is_refused_by_name(tmp_path):
 
 def test_the_table_marks_each_seed_against_the_bar():
     rows = [{"config": "mpi", "seed": s, "test_acc": t, "ensemble_acc": 0.8, "ratio": t / 0.8,
-             "client_test_acc": [0.5, 0.6], "wall_s": 60.0} for s, t in ((0, 0.76), (1, 0.70))]
+             "client_test_acc": [0.5, 0.6], "wall_s": 60.0, "missed_classes": m, "missed_ensemble_acc": a}
+            for s, t, m, a in ((0, 0.76, [], []), (1, 0.70, [3, 6], [0.25, 0.03]))]
     md = shipped_configs.markdown(rows, ["mpi"], [0, 1], "abc", "--configs mpi")
-    assert "| mpi | 0 | 50.0 / 60.0 | 76.0 | 80.0 | 0.95 | yes | 1.0 |" in md
-    assert "| mpi | 1 | 50.0 / 60.0 | 70.0 | 80.0 | 0.87 | no | 1.0 |" in md
-    assert "| mpi | mean | | 73.0 | 80.0 | 0.91 | not on every seed | |" in md
+    assert md.startswith("# The shipped configs at the defaults of commit abc")
+    assert "| mpi | 0 | 50.0 / 60.0 | 76.0 | 80.0 | 0.95 | yes | none | 1.0 |" in md
+    assert "| mpi | 1 | 50.0 / 60.0 | 70.0 | 80.0 | 0.87 | no | 3 (25%), 6 (3%) | 1.0 |" in md
+    assert "| mpi | mean | | 73.0 | 80.0 | 0.91 | not on every seed | collapsed on seed(s) 1 | |" in md
+    # a result without the collapse measure (before it was recorded) shows "-"
+    old = [{k: v for k, v in rows[0].items() if not k.startswith("missed")}]
+    assert "| 0.95 | yes | - | 1.0 |" in shipped_configs.markdown(old, ["mpi"], [0], "abc", "")
+
+
+def test_the_collapse_fields_come_from_the_runs_summary():
+    summary = {"missed_classes": [2], "per_class_acc": {"ensemble": [0.9, 0.8, 0.05]},
+               "metrics": {"pool": {"ensemble_pred": [5, 5, 0]}}}
+    assert shipped_configs.collapse_fields(summary) == {
+        "missed_classes": [2], "missed_ensemble_acc": [0.05], "pool_ensemble_pred": [5, 5, 0]}
+    assert shipped_configs.collapse_fields({})["missed_classes"] is None
 
 
 def test_a_set_override_changes_only_that_key_and_is_recorded(tmp_path):
@@ -76,8 +89,8 @@ def test_the_shipped_configs_the_matrix_and_the_defaults_share_one_budget():
     budget is that budget: changing one of them without the others would make the matrix measure a
     setting no user runs."""
     # every file but a cross-silo client's, whose server decides the budget
-    files = [ROOT / src for spec in shipped_configs.CONFIGS.values()
-             for role, src in spec["files"].items() if role != "client"]
+    files = [ROOT / src for name in shipped_configs.SHIPPED
+             for role, src in shipped_configs.CONFIGS[name]["files"].items() if role != "client"]
     files.append(ROOT / "config/cross_silo/fedmitr_mpi_backend.yaml")
     assert len(files) == 5
     for path in files:
