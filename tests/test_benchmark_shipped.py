@@ -186,3 +186,29 @@ def test_change_refuses_what_it_cannot_pair_by_name(monkeypatch, tmp_path, case)
              "mixed_overrides": "different --set overrides", "missing": "no result nope.json"}[case]
     with pytest.raises(SystemExit, match=match):
         shipped_configs.main(["--change", "a", other, "--name", "diff"])
+
+
+def test_teacher_classes_reports_holders_within_class_accuracy_and_what_the_ensemble_answers():
+    import teacher_classes
+    import torch
+
+    class TwoClients:
+        """Client 0 holds classes 0 and 1, client 1 holds class 2; the ensemble answers class 2 always."""
+        def client_logits(self, x):
+            a = torch.stack([x[:, 0], -x[:, 0], torch.zeros_like(x[:, 0])], 1)     # class 0 if x > 0 else 1
+            return torch.stack([a, torch.zeros_like(a)])
+
+        def combine(self, logits):
+            return torch.tensor([[0.0, 0.0, 1.0]]).expand(logits.shape[1], 3)
+
+    x = torch.tensor([[1.0], [2.0], [-1.0], [1.0]])
+    y = torch.tensor([0, 0, 1, 2])
+    table = teacher_classes.class_table(TwoClients(), [[5, 5, 0], [0, 0, 5]], [(x, y)])
+    assert table["accuracy"] == 0.25
+    by_class = {r["class"]: r for r in table["classes"]}
+    assert by_class[0]["holders"] == [0] and by_class[0]["holder_acc"] == [1.0]
+    assert by_class[1]["holder_acc"] == [1.0] and by_class[1]["ensemble_acc"] == 0.0
+    assert by_class[0]["answers"] == [0, 0, 2] and by_class[2]["ensemble_acc"] == 1.0
+    assert by_class[0]["true_score"] == 0.0 and by_class[0]["winning_score"] == 1.0
+    md = teacher_classes.markdown({"name": "t", "command": "c", "commit": "abc", "ensemble": {}, "table": table})
+    assert "| 1 | 1 | 0 | 100% | 0% | 0 0 1 | 0.00 | 1.00 |" in md
