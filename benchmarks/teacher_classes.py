@@ -1,10 +1,10 @@
 """Why does the ensemble miss a class? Per true class, on a finished run's uploads and test data.
 
-    python benchmarks/teacher_classes.py --cf RUN.yaml [--uploads PATH] [--set KEY=VALUE ...] [--name NAME]
+    python benchmarks/teacher_classes.py --cf RUN.yaml [--seed S] [--uploads PATH] [--set KEY=VALUE ...] [--name NAME]
 
 A diagnostic for #18. It rebuilds the ensemble every distillation method distils from, exactly as the
-run's server did (the run's YAML file: data, model and ``fedmitr_args``; ``--set`` changes an
-ensemble key), from the uploads the server saved (default ``<output_dir>/state/uploads.pt``), and for
+run's server did (the run's YAML file: data, model and ``fedmitr_args``; ``--seed`` its
+``common_args.random_seed``, which also draws the data split; ``--set`` changes an ensemble key), from the uploads the server saved (default ``<output_dir>/state/uploads.pt``), and for
 each true class of the test set reports: the clients that hold it (label count > 0), each holder's
 accuracy on it when it may answer only among its own classes (what ``ensemble_calibration:
 held_classes`` asks of it), the ensemble's accuracy on it and what it answers instead, and the
@@ -77,6 +77,7 @@ def markdown(result: Dict[str, Any]) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cf", required=True, help="the run's FedML YAML file")
+    ap.add_argument("--seed", type=int, default=None, help="the run's common_args.random_seed (default: the file's)")
     ap.add_argument("--uploads", default=None, help="saved uploads (default: <output_dir>/state/uploads.pt)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="fedmitr_args keys to change")
     ap.add_argument("--name", default=None, help="write benchmarks/results/<name>.{json,md}")
@@ -102,6 +103,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         if not sep:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE (a fedmitr_args key)")
         sections.setdefault("fedmitr_args", {})[key] = yaml.safe_load(value)
+    if args.seed is not None:
+        sections.setdefault("common_args", {})["random_seed"] = args.seed
     _, flat = validate_sections(sections, args.cf)
     cfg = flat.fedmitr_settings.method
     torch.set_num_threads(1)
