@@ -132,6 +132,7 @@ def test_server_seeds_read_a_finished_run_with_the_same_settings_and_rerun_any_o
     _finished_server_run(tmp_path, 1, 11)
     r = shipped_configs.server_seed_run("sp", 1, 11, "false", work)   # "false": a rerun would fail
     assert r["reused"] and r["server_seed"] == 11 and abs(r["ratio"] - 0.75 / 0.85) < 1e-9 and r["pool_fit"] == 0.9
+    assert r["missed_classes"] is None       # a summary written before the collapse measure
     # the same server seed under another budget is not that run: it is rerun (and "false" exits 1)
     with pytest.raises(SystemExit, match="server seed 11.*exited with 1"):
         shipped_configs.server_seed_run("sp", 1, 11, "false", work, {"distill_epochs": 90})
@@ -142,11 +143,14 @@ def test_server_seeds_read_a_finished_run_with_the_same_settings_and_rerun_any_o
 
 def test_the_server_seed_table_counts_the_draws_that_keep_the_bar():
     rows = [{"config": "sp", "seed": 1, "server_seed": s, "test_acc": t, "ensemble_acc": 0.5, "ratio": t / 0.5,
-             "pool_fit": 0.9} for s, t in ((1, 0.48), (11, 0.40), (12, 0.46))]
-    md = shipped_configs.server_seed_markdown(rows, "abc", "--configs sp --seeds 1 --server-seeds 1 11 12")
-    assert "| sp | 1 | 11 | 40.0 | 50.0 | 0.80 | no | 0.90 |" in md
-    assert "| sp | 1 | 1 | 48.0 | 50.0 | 0.96 | yes | 0.90 |" in md
-    assert "| sp | 1 | all 3 | 44.7 | 50.0 | 0.89 (0.80 - 0.96) | 2 of 3 | |" in md
+             "pool_fit": 0.9, "missed_classes": m, "missed_ensemble_acc": a}
+            for s, t, m, a in ((1, 0.48, [], []), (11, 0.40, [7], [0.5]), (12, 0.46, [], []))]
+    md = shipped_configs.server_seed_markdown(rows, "abc", "--configs sp --seeds 1 --server-seeds 1 11 12",
+                                              {"kd_target_confidence": 0})
+    assert "| sp | 1 | 11 | 40.0 | 50.0 | 0.80 | no | 0.90 | 7 (50%) |" in md
+    assert "| sp | 1 | 1 | 48.0 | 50.0 | 0.96 | yes | 0.90 | none |" in md
+    assert "| sp | 1 | all 3 | 44.7 | 50.0 | 0.89 (0.80 - 0.96) | 2 of 3 | | |" in md
+    assert "`fedmitr_args.kd_target_confidence: 0`" in md      # the --set keys are named
 
 
 def _write_result(monkeypatch, tmp_path, name, runs, overrides=None):
