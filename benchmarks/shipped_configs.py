@@ -203,7 +203,7 @@ def server_seed_run(name: str, seed: int, server_seed: int, py: str, work: Path,
 def server_seed_markdown(rows: List[Dict[str, Any]], commit: str, argv: str,
                          overrides: Optional[Dict[str, Any]] = None) -> str:
     """One table per (config, seed): the global model over the server seeds, on the same uploads."""
-    changed = "".join(f", `fedmitr_args.{k}: {v}`" for k, v in (overrides or {}).items())
+    changed = overrides_text(overrides)
     lines = [f"# The server alone, over its own seeds, on the uploads of a run (commit {commit})", "",
              f"Command: `python benchmarks/shipped_configs.py {argv}`.", "",
              "Each row reruns only the server (`python -m fedml_fedmitr.server_only`) on the client uploads the run "
@@ -232,7 +232,7 @@ def server_seed_markdown(rows: List[Dict[str, Any]], commit: str, argv: str,
 
 def markdown(rows: List[Dict[str, Any]], configs: List[str], seeds: List[int], commit: str, argv: str,
              overrides: Optional[Dict[str, Any]] = None) -> str:
-    changed = "".join(f", `fedmitr_args.{k}: {v}`" for k, v in (overrides or {}).items())
+    changed = overrides_text(overrides)
     what = "The shipped configs" if set(configs) <= set(SHIPPED) else "Configs"
     lines = [f"# {what} at the defaults of commit {commit}, seeds {', '.join(map(str, seeds))}", "",
              f"Command: `python benchmarks/shipped_configs.py {argv}` (CPU, 2 cores, one run at a time).", "",
@@ -259,6 +259,11 @@ def markdown(rows: List[Dict[str, Any]], configs: List[str], seeds: List[int], c
                          f"{'every seed' if ok else 'not on every seed'} | "
                          f"{'collapsed on seed(s) ' + ', '.join(collapsed) if collapsed else 'none on any seed'} | |")
     return "\n".join(lines) + "\n"
+
+
+def overrides_text(overrides: Optional[Dict[str, Any]]) -> str:
+    """The ``--set`` keys as the tables name them: ", `fedmitr_args.KEY: VALUE`" each."""
+    return "".join(f", `fedmitr_args.{k}: {v}`" for k, v in (overrides or {}).items())
 
 
 def missed_text(r: Dict[str, Any]) -> str:

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (str(ROOT), str(ROOT / "benchmarks")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from shipped_configs import command_line, git_commit, parse_overrides  # noqa: E402  (--set, commit, command)
 
 
 def class_table(ensemble, label_counts: List[List[int]], loader) -> Dict[str, Any]:
@@ -86,7 +88,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     import os
 
     import torch
-    import yaml
 
     from fedml_fedmitr.cli import validate_sections
     from fedml_fedmitr.core.ensemble import Ensemble
@@ -98,11 +99,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     sections = load_yaml(args.cf)
     out_dir = (sections.get("fedmitr_args") or {}).get("output_dir", "./fedmitr_output")
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE (a fedmitr_args key)")
-        sections.setdefault("fedmitr_args", {})[key] = yaml.safe_load(value)
+    sections.setdefault("fedmitr_args", {}).update(parse_overrides(args.set))
     if args.seed is not None:
         sections.setdefault("common_args", {})["random_seed"] = args.seed
     _, flat = validate_sections(sections, args.cf)
@@ -113,9 +110,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     uploads = [ClientUpload.from_payload(p) for p in load_uploads(path)["uploads"]]
     ensemble = Ensemble.from_uploads(uploads, lambda: create_model(flat, num_classes), num_classes, cfg, "cpu")
     table = class_table(ensemble, [u.label_counts for u in uploads], dataset[3])
-    shown = "python benchmarks/teacher_classes.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    shown = "python benchmarks/teacher_classes.py " + command_line(argv)
+    commit = git_commit()
     result = {"name": args.name or "-", "command": shown, "commit": commit,
               "ensemble": {k: getattr(cfg, k) for k in ("ensemble_weighting", "ensemble_aggregate", "ensemble_calibration")},
               "table": table}
