@@ -8,7 +8,7 @@
     python benchmarks/shipped_configs.py --change shipped_a1,shipped_a2 shipped_b --name b_minus_a
         # the paired change of the global model from result(s) A to result(s) B, on the same uploads
     python benchmarks/shipped_configs.py --configs sorted_overlap sorted_disjoint --seeds 0 1 2 3 4 --name tiny
-        # the tiny label-sorted federations of tests/test_defaults.py (benchmarks/configs/), not shipped
+        # the tiny label-sorted federations (benchmarks/configs/; tests/test_defaults.py runs the disjoint one)
 
 Each run is the config's own command (``python -m fedml_fedmitr``, ``mpirun``, the cross-silo
 launcher ``examples/cross_silo/run_local.sh``, the stock-FedML ``examples/stock_main/main.py``) on a
@@ -52,8 +52,8 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
                    "cmd": "{py} examples/stock_main/main.py --cf {cfg}"},
 }
 SHIPPED = list(CONFIGS)
-# the tiny label-sorted federations of tests/test_defaults.py (#18), at the tests' budget: not shipped, so
-# not run by default and not held to the shipped budget; --set gives them another budget
+# the tiny label-sorted federations (#18; tests/test_defaults.py runs sorted_disjoint), at a test-sized
+# budget: not shipped, so not run by default and not held to the shipped budget; --set gives them another
 CONFIGS.update({
     "sorted_overlap": {"files": {"cfg": "benchmarks/configs/label_sorted_overlap.yaml"},
                        "cmd": "{py} -m fedml_fedmitr --cf {cfg}"},
@@ -140,13 +140,20 @@ def run_one(name: str, seed: int, py: str, work: Path,
 
 def collapse_fields(s: Dict[str, Any]) -> Dict[str, Any]:
     """What a run's summary says about a collapse (#18): the classes the ensemble gets right that the
-    global model never predicts, the ensemble's accuracy on them, and the ensemble's class of each pool
-    image counted per class (what the pool teaches)."""
+    global model never predicts, the ensemble's accuracy on them, the ensemble's class of each pool
+    image counted per class (what the pool teaches), the global model's predictions per class, and
+    the nearest miss: among the classes the ensemble gets right, the one the global model predicts
+    least often, as [class, predictions, ensemble's accuracy on it]."""
     missed = s.get("missed_classes")
     ens = (s.get("per_class_acc") or {}).get("ensemble") or []
+    predicted = (s.get("predicted_per_class") or {}).get("global")
+    known = [c for c in range(len(ens)) if ens[c] > 0] if predicted else []
+    fewest = min(known, key=lambda c: (predicted[c], c)) if known else None
     return {"missed_classes": missed,
             "missed_ensemble_acc": [ens[c] for c in missed] if missed and ens else [],
-            "pool_ensemble_pred": ((s.get("metrics") or {}).get("pool") or {}).get("ensemble_pred")}
+            "pool_ensemble_pred": ((s.get("metrics") or {}).get("pool") or {}).get("ensemble_pred"),
+            "predicted_per_class": predicted,
+            "fewest_predicted": None if fewest is None else [fewest, predicted[fewest], ens[fewest]]}
 
 
 # fedmitr_args keys that change what a run writes or shows, not what it computes
@@ -240,16 +247,19 @@ def markdown(rows: List[Dict[str, Any]], configs: List[str], seeds: List[int], c
              f"`fedmitr_args.output_dir`{changed} changed; the numbers are the run's own `summary.json`. "
              f"The bar (issue 18): the global model keeps at least {BAR} x its ensemble's accuracy on every seed.", "",
              "Missed classes: those the ensemble gets right on some test images (its accuracy on them in "
-             "brackets) that the global model never predicts, a collapse (#18).", "",
-             "| config | seed | clients | global model | ensemble | global / ensemble | >= 0.9 | missed classes | minutes |",
-             "|---|---:|---|---:|---:|---:|:-:|---|---:|"]
+             "brackets) that the global model never predicts, a collapse (#18). Fewest predictions: of the "
+             "classes the ensemble gets right, the one the global model predicts least often, how many "
+             "test images it gives that class, and the ensemble's accuracy on it.", "",
+             "| config | seed | clients | global model | ensemble | global / ensemble | >= 0.9 | missed classes | "
+             "fewest predictions | minutes |",
+             "|---|---:|---|---:|---:|---:|:-:|---|---|---:|"]
     for name in configs:
         mine = [r for r in rows if r["config"] == name]
         for r in mine:
             clients = " / ".join(f"{100 * a:.1f}" for a in (r["client_test_acc"] or []))
             lines.append(f"| {name} | {r['seed']} | {clients} | {100 * r['test_acc']:.1f} | "
                          f"{100 * r['ensemble_acc']:.1f} | {r['ratio']:.2f} | {'yes' if r['ratio'] >= BAR else 'no'} | "
-                         f"{missed_text(r)} | {r['wall_s'] / 60:.1f} |")
+                         f"{missed_text(r)} | {fewest_text(r)} | {r['wall_s'] / 60:.1f} |")
         if len(mine) > 1:
             g = sum(r["test_acc"] for r in mine) / len(mine)
             e = sum(r["ensemble_acc"] for r in mine) / len(mine)
@@ -257,7 +267,7 @@ def markdown(rows: List[Dict[str, Any]], configs: List[str], seeds: List[int], c
             collapsed = [str(r["seed"]) for r in mine if r.get("missed_classes")]
             lines.append(f"| {name} | mean | | {100 * g:.1f} | {100 * e:.1f} | {g / e:.2f} | "
                          f"{'every seed' if ok else 'not on every seed'} | "
-                         f"{'collapsed on seed(s) ' + ', '.join(collapsed) if collapsed else 'none on any seed'} | |")
+                         f"{'collapsed on seed(s) ' + ', '.join(collapsed) if collapsed else 'none on any seed'} | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -273,6 +283,15 @@ def missed_text(r: Dict[str, Any]) -> str:
         return "-"
     accs = r.get("missed_ensemble_acc") or [None] * len(missed)
     return ", ".join(f"{c} ({100 * a:.0f}%)" if a is not None else str(c) for c, a in zip(missed, accs)) or "none"
+
+
+def fewest_text(r: Dict[str, Any]) -> str:
+    """The nearest miss of a run: "class: predictions (ensemble's accuracy)"; "-" when unknown."""
+    fewest = r.get("fewest_predicted")
+    if not fewest:
+        return "-"
+    c, n, a = fewest
+    return f"{c}: {n} ({100 * a:.0f}%)"
 
 
 def git_commit() -> str:

@@ -42,24 +42,31 @@ def test_a_config_without_the_seed_key_is_refused_by_name(tmp_path):
 
 def test_the_table_marks_each_seed_against_the_bar():
     rows = [{"config": "mpi", "seed": s, "test_acc": t, "ensemble_acc": 0.8, "ratio": t / 0.8,
-             "client_test_acc": [0.5, 0.6], "wall_s": 60.0, "missed_classes": m, "missed_ensemble_acc": a}
-            for s, t, m, a in ((0, 0.76, [], []), (1, 0.70, [3, 6], [0.25, 0.03]))]
+             "client_test_acc": [0.5, 0.6], "wall_s": 60.0, "missed_classes": m, "missed_ensemble_acc": a,
+             "fewest_predicted": f}
+            for s, t, m, a, f in ((0, 0.76, [], [], [8, 2, 0.03]), (1, 0.70, [3, 6], [0.25, 0.03], [3, 0, 0.25]))]
     md = shipped_configs.markdown(rows, ["mpi"], [0, 1], "abc", "--configs mpi")
     assert md.startswith("# The shipped configs at the defaults of commit abc")
-    assert "| mpi | 0 | 50.0 / 60.0 | 76.0 | 80.0 | 0.95 | yes | none | 1.0 |" in md
-    assert "| mpi | 1 | 50.0 / 60.0 | 70.0 | 80.0 | 0.87 | no | 3 (25%), 6 (3%) | 1.0 |" in md
-    assert "| mpi | mean | | 73.0 | 80.0 | 0.91 | not on every seed | collapsed on seed(s) 1 | |" in md
-    # a result without the collapse measure (before it was recorded) shows "-"
-    old = [{k: v for k, v in rows[0].items() if not k.startswith("missed")}]
-    assert "| 0.95 | yes | - | 1.0 |" in shipped_configs.markdown(old, ["mpi"], [0], "abc", "")
+    assert "| mpi | 0 | 50.0 / 60.0 | 76.0 | 80.0 | 0.95 | yes | none | 8: 2 (3%) | 1.0 |" in md
+    assert "| mpi | 1 | 50.0 / 60.0 | 70.0 | 80.0 | 0.87 | no | 3 (25%), 6 (3%) | 3: 0 (25%) | 1.0 |" in md
+    assert "| mpi | mean | | 73.0 | 80.0 | 0.91 | not on every seed | collapsed on seed(s) 1 | | |" in md
+    # a result without the collapse measures (before they were recorded) shows "-"
+    old = [{k: v for k, v in rows[0].items() if not k.startswith(("missed", "fewest"))}]
+    assert "| 0.95 | yes | - | - | 1.0 |" in shipped_configs.markdown(old, ["mpi"], [0], "abc", "")
 
 
 def test_the_collapse_fields_come_from_the_runs_summary():
-    summary = {"missed_classes": [2], "per_class_acc": {"ensemble": [0.9, 0.8, 0.05]},
-               "metrics": {"pool": {"ensemble_pred": [5, 5, 0]}}}
+    summary = {"missed_classes": [2], "per_class_acc": {"ensemble": [0.9, 0.8, 0.05, 0.0]},
+               "predicted_per_class": {"global": [6, 3, 0, 1]},
+               "metrics": {"pool": {"ensemble_pred": [5, 5, 0, 0]}}}
+    # the nearest miss is among the classes the ensemble gets right (class 3 it never does)
     assert shipped_configs.collapse_fields(summary) == {
-        "missed_classes": [2], "missed_ensemble_acc": [0.05], "pool_ensemble_pred": [5, 5, 0]}
+        "missed_classes": [2], "missed_ensemble_acc": [0.05], "pool_ensemble_pred": [5, 5, 0, 0],
+        "predicted_per_class": [6, 3, 0, 1], "fewest_predicted": [2, 0, 0.05]}
+    summary["predicted_per_class"]["global"] = [6, 3, 1, 0]
+    assert shipped_configs.collapse_fields(summary)["fewest_predicted"] == [2, 1, 0.05]
     assert shipped_configs.collapse_fields({})["missed_classes"] is None
+    assert shipped_configs.collapse_fields({})["fewest_predicted"] is None
 
 
 def test_a_set_override_changes_only_that_key_and_is_recorded(tmp_path):
