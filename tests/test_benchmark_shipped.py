@@ -65,6 +65,8 @@ def test_the_collapse_fields_come_from_the_runs_summary():
         "predicted_per_class": [6, 3, 0, 1], "fewest_predicted": [2, 0, 0.05]}
     summary["predicted_per_class"]["global"] = [6, 3, 1, 0]
     assert shipped_configs.collapse_fields(summary)["fewest_predicted"] == [2, 1, 0.05]
+    summary["per_class_acc"]["ensemble"][2] = None          # a class absent from the test set is skipped
+    assert shipped_configs.collapse_fields(summary)["fewest_predicted"] == [1, 3, 0.8]
     assert shipped_configs.collapse_fields({})["missed_classes"] is None
     assert shipped_configs.collapse_fields({})["fewest_predicted"] is None
 

@@ -34,14 +34,18 @@ def evaluate_logits(logits_fn: Callable[[torch.Tensor], torch.Tensor], loader, d
             "num_samples": n, "predicted_per_class": predicted.tolist()}
 
 
+def known_classes(ensemble_per_class_acc: Sequence[Optional[float]]) -> List[int]:
+    """The classes the ensemble gets right at least once (None: a class absent from the test set)."""
+    return [c for c, acc in enumerate(ensemble_per_class_acc) if acc is not None and acc > 0]
+
+
 def missed_classes(predicted_per_class: Optional[Sequence[int]],
                    ensemble_per_class_acc: Optional[Sequence[Optional[float]]]) -> Optional[List[int]]:
     """The classes the ensemble gets right at least once that the global model never predicts: a
     collapse when not empty (issue #18's definition). None when either is unknown."""
     if predicted_per_class is None or ensemble_per_class_acc is None:
         return None
-    return [c for c, (n, acc) in enumerate(zip(predicted_per_class, ensemble_per_class_acc))
-            if acc is not None and acc > 0 and n == 0]
+    return [c for c in known_classes(ensemble_per_class_acc) if predicted_per_class[c] == 0]
 
 
 def evaluate_model(model: nn.Module, loader, device, num_classes: int) -> Dict:
